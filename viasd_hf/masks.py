@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from . import __version__
 from .architectures import config_fingerprint, model_config, num_decoder_layers, protected_layers
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitInfo
 
 MASK_FILENAME = "routing_mask.json"
 SCHEMA_VERSION = 1
@@ -114,6 +117,10 @@ class RoutingMask:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def to_json(self) -> str:
+        """The ``routing_mask.json`` text (sorted keys, so re-saving an unchanged mask changes no byte)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RoutingMask:
         known = {f.name for f in fields(cls)}
@@ -127,13 +134,70 @@ class RoutingMask:
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / MASK_FILENAME
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        path.write_text(self.to_json())
         return path
 
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        target_slug: str | None = None,
+        drafter_slug: str | None = None,
+        model: nn.Module | None = None,
+        token: str | bool | None = None,
+        endpoint: str | None = None,
+        revision: str | None = None,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        create_repo: bool = True,
+    ) -> CommitInfo:
+        """Publish this mask to a Hub repo of masks and refresh the repo's model card.
+
+        It lands at ``<target-slug>/<drafter-slug or self>/routing_mask.json`` (slugs default to
+        the ids in the mask). A mask that is inconsistent, or not made for ``model`` when one is
+        given, is refused. Returns the commit (a ``str``, its URL; ``.oid`` is the commit sha).
+        See ``viasd_hf.hub.push_mask``.
+        """
+        from .hub import push_mask
+
+        return push_mask(
+            self, repo_id, target_slug=target_slug, drafter_slug=drafter_slug, model=model, token=token,
+            endpoint=endpoint, revision=revision, commit_message=commit_message, private=private,
+            create_repo=create_repo,
+        )
+
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> RoutingMask:
-        """Read a mask from a folder holding ``routing_mask.json`` or from the JSON file itself."""
-        path = Path(path)
+    def from_pretrained(
+        cls,
+        source: str | Path | tuple[str, str],
+        *,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        repo_id: str | None = None,
+        endpoint: str | None = None,
+        token: str | bool | None = None,
+        local_files_only: bool = False,
+        cache_dir: str | Path | None = None,
+    ) -> RoutingMask:
+        """Read a mask from a local folder or JSON file, a Hub repo id, or a ``(target, drafter)`` pair of ids.
+
+        An existing local path wins. Otherwise the Hub is asked (the user cache answers when
+        offline or with ``local_files_only``): ``source`` as a repo id (``subfolder`` inside it),
+        or, for a pair, the masks repo ``repo_id`` (default ``$VIASD_MASKS_REPO``) at
+        ``<target-slug>/<drafter-slug or self>/routing_mask.json``, then the masks shipped with
+        viasd_hf. See ``viasd_hf.hub.pull_mask``.
+        """
+        if isinstance(source, Path) or (isinstance(source, str) and Path(source).exists()):
+            return cls._from_local(Path(source, subfolder or ""))
+        from .hub import pull_mask
+
+        return pull_mask(
+            source, subfolder=subfolder, revision=revision, repo_id=repo_id, endpoint=endpoint, token=token,
+            local_files_only=local_files_only, cache_dir=cache_dir,
+        )
+
+    @classmethod
+    def _from_local(cls, path: Path) -> RoutingMask:
         file = path / MASK_FILENAME if path.is_dir() else path
         if not file.is_file():
             raise RoutingMaskError(f"no routing mask at {path} (expected a folder with {MASK_FILENAME} or that file)")

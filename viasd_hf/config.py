@@ -1,0 +1,89 @@
+"""``ViaSDConfig``: everything that shapes a VIA-SD decode, saved and loaded like other HF configs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .masks import RoutingMask
+
+CONFIG_FILENAME = "viasd_config.json"
+MODES = ("tiered", "lossless")
+CONFIDENCE_SIGNALS = ("ratio", "probability")
+
+
+@dataclass
+class ViaSDConfig:
+    """How the three tiers (drafter → slim verifier → full target) work together.
+
+    Thresholds compare the slim verifier's confidence ``r`` in a draft token: accept when
+    ``r > tau_accept``, regenerate with the slim verifier when ``tau_escalate < r <= tau_accept``,
+    escalate to the full model when ``r <= tau_escalate``. Ties go to the more authoritative tier,
+    so ``tau_accept = tau_escalate = 1.0`` hands every decision to the full model.
+    """
+
+    num_draft_tokens: int = 5
+    draft_confidence_threshold: float | None = None
+    routing_mask: RoutingMask | str | None = None
+    self_draft_mask: RoutingMask | str | None = None
+    use_slim: bool = True
+    confidence: str = "ratio"
+    tau_accept: float = 0.7
+    tau_escalate: float = 0.5
+    mode: str = "tiered"
+    max_slim_backlog: int = 16  # tokens committed on the slim tier's authority before the full model must catch up
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.draft_confidence_threshold is not None and not 0.0 <= self.draft_confidence_threshold < 1.0:
+            raise ValueError(f"draft_confidence_threshold must lie in [0, 1), got {self.draft_confidence_threshold}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.confidence not in CONFIDENCE_SIGNALS:
+            raise ValueError(f"confidence must be one of {CONFIDENCE_SIGNALS}, got {self.confidence!r}")
+        for name in ("tau_accept", "tau_escalate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        if self.tau_accept < self.tau_escalate:
+            raise ValueError(
+                f"tau_accept ({self.tau_accept}) must be >= tau_escalate ({self.tau_escalate}): the slim verifier "
+                "accepts above tau_accept, regenerates between the two and escalates below tau_escalate"
+            )
+        if self.max_slim_backlog <= self.num_draft_tokens:
+            raise ValueError(
+                f"max_slim_backlog ({self.max_slim_backlog}) must exceed num_draft_tokens ({self.num_draft_tokens}): "
+                "a slim block commits up to num_draft_tokens + 1 tokens"
+            )
+        if isinstance(self.routing_mask, dict):
+            self.routing_mask = RoutingMask.from_dict(self.routing_mask)
+        if isinstance(self.self_draft_mask, dict):
+            self.self_draft_mask = RoutingMask.from_dict(self.self_draft_mask)
+
+    @classmethod
+    def paper(cls, **overrides: Any) -> ViaSDConfig:
+        """The paper's preset: α1 = 0.5, α2 = 0.3, i.e. τ_acc = 1 − α2, τ_esc = 1 − α1 (DESIGN §1), γ = 5."""
+        alpha1, alpha2 = 0.5, 0.3
+        return cls(**{"tau_accept": 1 - alpha2, "tau_escalate": 1 - alpha1, "num_draft_tokens": 5} | overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save_pretrained(self, save_directory: str | Path) -> Path:
+        directory = Path(save_directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / CONFIG_FILENAME
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ViaSDConfig:
+        path = Path(path)
+        file = path / CONFIG_FILENAME if path.is_dir() else path
+        data = json.loads(file.read_text())
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown ViaSDConfig fields {unknown} in {file}")
+        return cls(**data)

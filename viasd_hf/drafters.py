@@ -1,0 +1,185 @@
+"""Drafters: whatever proposes the next few tokens, behind one small protocol.
+
+- ``AssistantDrafter``: a smaller model sharing the target's tokenizer, with its own KV cache
+  cropped back to the committed prefix after each block.
+- ``SelfDrafter``: the target routed with a heavier mask; it reads the full model's committed
+  KV cache and crops its provisional writes away, so it costs no memory or extra weights.
+- ``PromptLookupDrafter``: copies the continuation of the last n-gram's earlier occurrence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+from transformers import LogitsProcessorList
+
+from .cache import crop_to, new_cache
+from .masks import RoutingMask
+from .routing import routed
+
+if TYPE_CHECKING:
+    from .decoding import DecodingState
+
+
+@dataclass
+class Draft:
+    """Proposed tokens, and the processed distribution each was drawn from (``None`` when not a model)."""
+
+    tokens: list[int]
+    probs: list[torch.Tensor | None]
+
+
+class Drafter(Protocol):
+    name: str
+    forwards: int
+    seconds: float
+
+    def draft(self, state: DecodingState, max_tokens: int) -> Draft: ...
+
+    def commit(self, state: DecodingState) -> None:
+        """Forget whatever the drafter processed that is no longer on the committed sequence."""
+
+
+class _ModelDrafter:
+    """Greedy drafting with a causal LM; subclasses say which model runs and on which cache."""
+
+    name = "model"
+
+    def __init__(self, logits_processor: LogitsProcessorList, confidence_threshold: float | None) -> None:
+        self.logits_processor = logits_processor
+        self.confidence_threshold = confidence_threshold
+        self.forwards = 0
+        self.seconds = 0.0
+
+    def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _pending(self, state: DecodingState) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _finish(self, state: DecodingState, drafted: int) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def draft(self, state: DecodingState, max_tokens: int) -> Draft:
+        started = time.perf_counter()
+        sequence = state.ids
+        feed = self._pending(state)
+        draft = Draft(tokens=[], probs=[])
+        while len(draft.tokens) < max_tokens:
+            logits = self._forward(state, feed)[:, -1, :].float()
+            self.forwards += 1
+            scores = self.logits_processor(sequence, logits)
+            probs = scores.softmax(-1)[0]
+            token = int(scores.argmax(-1))
+            draft.tokens.append(token)
+            draft.probs.append(probs)
+            feed = torch.tensor([[token]], device=sequence.device)
+            sequence = torch.cat([sequence, feed], dim=-1)
+            if self.confidence_threshold is not None and probs[token].item() < self.confidence_threshold:
+                break
+        self._finish(state, len(draft.tokens))
+        self.seconds += time.perf_counter() - started
+        return draft
+
+
+class AssistantDrafter(_ModelDrafter):
+    """A separate (smaller) model with the target's tokenizer and a KV cache of its own."""
+
+    name = "assistant"
+
+    def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None) -> None:
+        super().__init__(logits_processor, confidence_threshold)
+        self.model = model
+        self.cache = new_cache(model.config)
+        self.processed: list[int] = []
+
+    def _pending(self, state: DecodingState) -> torch.Tensor:
+        return state.ids[:, len(self.processed) :]
+
+    def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
+        start = len(self.processed)
+        logits = self.model(tokens, cache=self.cache, use_cache=True, **state.position_kwargs(start, tokens.shape[1])).logits
+        self.processed.extend(tokens[0].tolist())
+        return logits
+
+    def _finish(self, state: DecodingState, drafted: int) -> None:
+        """The last drafted token was never fed; everything else stays until ``commit``."""
+
+    def commit(self, state: DecodingState) -> None:
+        committed = state.ids[0].tolist()
+        keep = 0
+        for mine, theirs in zip(self.processed, committed):
+            if mine != theirs:
+                break
+            keep += 1
+        keep = min(keep, len(committed) - 1)  # the newest committed token is fed with the next draft
+        crop_to(self.cache, keep)
+        del self.processed[keep:]
+
+
+class SelfDrafter(_ModelDrafter):
+    """The target itself under a heavier routing mask, reading the full model's committed cache."""
+
+    name = "self"
+
+    def __init__(
+        self, model: nn.Module, mask: RoutingMask, logits_processor: LogitsProcessorList, confidence_threshold: float | None
+    ) -> None:
+        super().__init__(logits_processor, confidence_threshold)
+        mask.validate_for(model)
+        self.model = model
+        self.mask = mask
+        self._fed = 0
+
+    def _pending(self, state: DecodingState) -> torch.Tensor:
+        self._fed = state.full_length
+        return state.ids[:, state.full_length :]
+
+    def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
+        with routed(self.model, self.mask):
+            logits = self.model(
+                tokens, cache=state.full_cache, use_cache=True, **state.position_kwargs(self._fed, tokens.shape[1])
+            ).logits
+        self._fed += tokens.shape[1]
+        return logits
+
+    def _finish(self, state: DecodingState, drafted: int) -> None:
+        crop_to(state.full_cache, state.full_length)
+
+    def commit(self, state: DecodingState) -> None:
+        """Nothing to forget: every draft's cache writes were cropped when drafting ended."""
+
+
+class PromptLookupDrafter:
+    """Prompt lookup decoding: find the latest earlier occurrence of the trailing n-gram and copy what followed."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, num_tokens: int, max_ngram_size: int = 2) -> None:
+        self.num_tokens = num_tokens
+        self.max_ngram_size = max_ngram_size
+        self.forwards = 0
+        self.seconds = 0.0
+
+    def draft(self, state: DecodingState, max_tokens: int) -> Draft:
+        started = time.perf_counter()
+        tokens = state.ids[0].tolist()
+        proposal: list[int] = []
+        for size in range(min(self.max_ngram_size, len(tokens) - 1), 0, -1):
+            tail = tokens[-size:]
+            for start in range(len(tokens) - size - 1, -1, -1):
+                if tokens[start : start + size] == tail:
+                    proposal = tokens[start + size : start + size + min(self.num_tokens, max_tokens)]
+                    break
+            if proposal:
+                break
+        self.seconds += time.perf_counter() - started
+        return Draft(tokens=proposal, probs=[None] * len(proposal))
+
+    def commit(self, state: DecodingState) -> None:
+        """Stateless: the lookup reads the committed sequence afresh each block."""

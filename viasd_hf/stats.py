@@ -1,0 +1,89 @@
+"""``ViaSDStats``: what each tier did during one ``generate`` call.
+
+Nothing in transformers reports acceptance statistics; these let a user see whether the slim
+tier paid for itself (escalation rate vs its cost) without a profiler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class ViaSDStats:
+    """Counts are tokens unless named ``*_forwards`` or ``*_blocks``.
+
+    ``new_tokens == accepted_tokens + slim_tokens + full_tokens``: every committed token was a
+    draft that was accepted (by the slim or the full tier), or produced by the slim verifier
+    (regenerated / its bonus token), or produced by the full model (correction / bonus).
+    """
+
+    new_tokens: int = 0
+    blocks: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    slim_accepted_tokens: int = 0
+    regenerated_tokens: int = 0
+    escalated_tokens: int = 0
+    escalated_blocks: int = 0
+    catch_up_blocks: int = 0
+    slim_tokens: int = 0
+    full_tokens: int = 0
+    slim_committed_tokens: int = 0
+    slim_committed_mismatches: int = 0
+    peak_slim_backlog: int = 0
+    full_forwards: int = 0
+    prefill_forwards: int = 0
+    slim_forwards: int = 0
+    drafter_forwards: int = 0
+    drafted_at_position: list[int] = field(default_factory=list)
+    accepted_at_position: list[int] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=lambda: {"drafter": 0.0, "slim": 0.0, "full": 0.0, "total": 0.0})
+
+    def record_position(self, position: int, accepted: bool) -> None:
+        while len(self.drafted_at_position) <= position:
+            self.drafted_at_position.append(0)
+            self.accepted_at_position.append(0)
+        self.drafted_at_position[position] += 1
+        self.accepted_at_position[position] += int(accepted)
+
+    @property
+    def rejection_rate(self) -> float:
+        return 1.0 - self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def escalation_rate(self) -> float:
+        """Fraction of slim-verified blocks that the full model had to decide."""
+        slim_blocks = self.blocks - self.catch_up_blocks
+        return self.escalated_blocks / slim_blocks if slim_blocks and self.slim_forwards else 0.0
+
+    @property
+    def decode_full_forwards(self) -> int:
+        return self.full_forwards - self.prefill_forwards
+
+    @property
+    def mean_accepted_per_full_call(self) -> float:
+        """Tokens committed per full-model forward after the prefill (the τ of the SD literature)."""
+        return self.new_tokens / self.decode_full_forwards if self.decode_full_forwards else float(self.new_tokens)
+
+    @property
+    def full_calls_per_token(self) -> float:
+        return self.decode_full_forwards / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at_position, self.drafted_at_position)]
+
+    def to_dict(self) -> dict[str, Any]:
+        derived = ("rejection_rate", "escalation_rate", "mean_accepted_per_full_call", "full_calls_per_token", "acceptance_by_position")
+        return asdict(self) | {name: getattr(self, name) for name in derived}
+
+    def summary(self) -> str:
+        return (
+            f"{self.new_tokens} tokens in {self.blocks} blocks | drafted {self.drafted_tokens}, accepted "
+            f"{self.accepted_tokens} ({self.slim_accepted_tokens} by the slim tier), regenerated {self.regenerated_tokens}, "
+            f"escalated blocks {self.escalated_blocks} | rejection rate {self.rejection_rate:.1%} | forwards: "
+            f"full {self.full_forwards}, slim {self.slim_forwards}, drafter {self.drafter_forwards} | "
+            f"{self.mean_accepted_per_full_call:.2f} tokens per full call"
+        )
