@@ -105,3 +105,22 @@ def zoo(name: str):
     if name not in _ZOO_CACHE:
         _ZOO_CACHE[name] = load_pretrained(name, dtype=torch.float32)
     return _ZOO_CACHE[name]
+
+
+NEAR_TIE_REPORT: list[str] = []
+
+
+def first_near_tie(logits: tuple[torch.Tensor, ...], gap: float = 1e-3) -> int | None:
+    """Index of the first generated position whose top-2 logit gap is below ``gap`` (a numerical near-tie)."""
+    for position, row in enumerate(logits):
+        top2 = row[0].float().topk(2).values
+        if (top2[0] - top2[1]).item() < gap:
+            return position
+    return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    if NEAR_TIE_REPORT:
+        terminalreporter.section("near-tie exceptions (lossless greedy vs generate)")
+        for line in NEAR_TIE_REPORT:
+            terminalreporter.write_line(line)

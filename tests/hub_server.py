@@ -132,7 +132,7 @@ class FakeHub:
         url = self._repo_url(repo_type, repo_id)
         if (repo_type, repo_id) in self.repos:
             return Response.of_json({"error": "You already created this repo", "url": url}, 409)
-        repo = Repo(repo_type, repo_id, private=payload.get("visibility") == "private" or bool(payload.get("private")))
+        repo = Repo(repo_type, repo_id, private=payload.get("visibility") == "private")
         repo.add_commit("main", "initial commit", {".gitattributes": b""}, next(self._serial))
         self.repos[repo_type, repo_id] = repo
         return Response.of_json({"url": url, "name": repo_id, "id": repo_id})
@@ -252,6 +252,7 @@ class FakeHub:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as two writes; don't wait for a delayed ACK
     server: _Server
 
     def _serve(self) -> None:
@@ -287,7 +288,7 @@ def serve() -> Iterator[FakeHub]:
     hub = FakeHub()
     server = _Server(hub)
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, name="fake-hub", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, name="fake-hub", daemon=True)
     thread.start()
     try:
         yield hub

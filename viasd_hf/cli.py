@@ -5,24 +5,64 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .hub import add_hub_commands
+
 
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
-    demo = subparsers.add_parser("demo", help="run the slim verifier on a built-in model and report what it saves")
-    demo.add_argument("--small", action="store_true", help="use SmolLM2-135M-Instruct (fast) instead of Qwen2.5-Coder-1.5B")
-    demo.add_argument("--model", help="zoo name, Hub id or local folder (overrides --small)")
+    demo = subparsers.add_parser("demo", help="VIA-SD on a built-in model pair next to plain greedy, in one run")
+    demo.add_argument("--small", action="store_true", help="SmolLM2-135M-Instruct with prompt lookup (seconds, not minutes)")
+    demo.add_argument("--target", help="zoo name, Hub id or local folder (default: Qwen2.5-Coder-1.5B-Instruct)")
+    demo.add_argument("--drafter", help="assistant model (default: Qwen2.5-Coder-0.5B-Instruct; none with --small)")
     demo.add_argument("--prompt", default="Write a Python function that reverses a string.")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
-    demo.add_argument("--skip", help="comma-separated decoder layers for the slim verifier to skip")
-    demo.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 for the 1.5B, float32 otherwise)")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16, float32 with --small)")
     demo.set_defaults(handler=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    skip = [int(layer) for layer in args.skip.split(",")] if args.skip else None
-    run_demo(model_name=args.model, small=args.small, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-             skip=skip, dtype=args.dtype)
+    run_demo(small=args.small, target_name=args.target, drafter_name=args.drafter, prompt=args.prompt,
+             max_new_tokens=args.max_new_tokens, dtype=args.dtype)
+    return 0
+
+
+def _add_speed(subparsers: argparse._SubParsersAction) -> None:
+    speed = subparsers.add_parser("speed", help="tokens/s of greedy, HF assisted, two-tier and VIA-SD, side by side")
+    speed.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    speed.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
+    speed.add_argument("--mask", help="routing mask folder / JSON (default: --skip)")
+    speed.add_argument("--skip", help="comma-separated layers to skip when no --mask is given")
+    speed.add_argument("--prompts", type=int, default=6, help="how many Spec-Bench prompts (one per category first)")
+    speed.add_argument("--max-new-tokens", type=int, default=64)
+    speed.add_argument("--dtype", default="bfloat16")
+    speed.add_argument("--methods", help="comma-separated subset of greedy,hf_assisted,two_tier,viasd,viasd_lossless")
+    speed.add_argument("--json", help="write the summary here")
+    speed.set_defaults(handler=_run_speed)
+
+
+def _run_speed(args: argparse.Namespace) -> int:
+    import json
+
+    from .demo import light_middle_mask
+    from .masks import RoutingMask
+    from .models import load_pretrained
+    from .speed import compare_speed, load_prompts, markdown
+
+    target, tokenizer = load_pretrained(args.target, dtype=args.dtype)
+    drafter, _ = load_pretrained(args.drafter, dtype=args.dtype)
+    if args.mask:
+        mask = RoutingMask.from_pretrained(args.mask)
+    else:
+        skip = [int(layer) for layer in args.skip.split(",")] if args.skip else light_middle_mask(target)
+        mask = RoutingMask.from_model(target, skip=skip, drafter_id=args.drafter)
+    prompts = load_prompts(limit=args.prompts, per_category=1)
+    methods = args.methods.split(",") if args.methods else None
+    summary = compare_speed(target, tokenizer, drafter, mask, prompts, args.max_new_tokens, methods)
+    print(markdown(summary))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args) | {"handler": None}, "mask": mask.to_dict(), "methods": summary}, handle, indent=2)
     return 0
 
 
@@ -30,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="viasd", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_demo(subparsers)
+    _add_speed(subparsers)
+    add_hub_commands(subparsers)
     return parser
 
 

@@ -1,22 +1,25 @@
-"""``viasd demo``: generate with a built-in model and show how well its slim verifier agrees."""
+"""``viasd demo``: VIA-SD on a built-in model pair next to plain greedy, measured in the same run."""
 
 from __future__ import annotations
 
 import time
 
 import torch
+from torch import nn
 
-from .agreement import teacher_forced_agreement
 from .architectures import num_decoder_layers, protected_layers
-from .masks import RoutingMask
+from .config import ViaSDConfig
+from .generation import enable_viasd
+from .masks import RoutingMask, RoutingMaskError
 from .models import load_pretrained
 
-DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
-SMALL_MODEL = "smollm2-135m-instruct"
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+SMALL_TARGET = "smollm2-135m-instruct"
 
 
-def light_middle_mask(model: torch.nn.Module, budget: float = 0.1) -> list[int]:
-    """Evenly spaced early-middle layers, a placeholder until DIMR-searched masks ship in ``hub_masks/``.
+def light_middle_mask(model: nn.Module, budget: float = 0.1) -> list[int]:
+    """Evenly spaced early-middle layers: the fallback when no searched mask exists for a pair.
 
     DESIGN §9: on the 1.5B target, single layers in the first half cost least when skipped.
     """
@@ -27,33 +30,59 @@ def light_middle_mask(model: torch.nn.Module, budget: float = 0.1) -> list[int]:
     return [candidates[int(i * step)] for i in range(wanted)]
 
 
+def demo_mask(model: nn.Module, target: str, drafter: str) -> tuple[RoutingMask, str]:
+    """The shipped/Hub mask for the pair when there is one, else the light fallback (and say which)."""
+    try:
+        mask = RoutingMask.from_pretrained((target, drafter))
+        mask.validate_for(model)
+        return mask, f"searched mask for ({target}, {drafter})"
+    except RoutingMaskError:
+        mask = RoutingMask.from_model(model, skip=light_middle_mask(model), drafter_id=drafter)
+        return mask, "fallback mask (no searched mask found for this pair; run `viasd search`)"
+
+
+def _timed(generate) -> tuple[object, float]:
+    started = time.perf_counter()
+    output = generate()
+    return output, time.perf_counter() - started
+
+
 def run_demo(
-    model_name: str | None = None,
     small: bool = False,
+    target_name: str | None = None,
+    drafter_name: str | None = None,
     prompt: str = "Write a Python function that reverses a string.",
-    max_new_tokens: int = 48,
-    skip: list[int] | None = None,
+    max_new_tokens: int = 64,
     dtype: str | None = None,
 ) -> None:
-    name = model_name or (SMALL_MODEL if small else DEFAULT_MODEL)
-    dtype = dtype or ("bfloat16" if name == DEFAULT_MODEL else "float32")
-    print(f"loading {name} ({dtype}) ...", flush=True)
-    model, tokenizer = load_pretrained(name, dtype=dtype)
-    messages = [{"role": "user", "content": prompt}]
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-
-    started = time.perf_counter()
+    target_name = target_name or (SMALL_TARGET if small else DEFAULT_TARGET)
+    drafter_name = drafter_name or (None if small else DEFAULT_DRAFTER)
+    dtype = dtype or ("float32" if small else "bfloat16")
+    print(f"loading {target_name} ({dtype}) ...", flush=True)
+    model, tokenizer = load_pretrained(target_name, dtype=dtype)
+    enable_viasd(model)
+    drafting: dict[str, object] = {"prompt_lookup_num_tokens": 5}
+    if drafter_name:
+        print(f"loading drafter {drafter_name} ({dtype}) ...", flush=True)
+        drafting = {"assistant_model": load_pretrained(drafter_name, dtype=dtype)[0]}
+    mask, provenance = demo_mask(model, target_name, drafter_name or "prompt-lookup")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    common = {"max_new_tokens": max_new_tokens, "do_sample": False}
     with torch.no_grad():
-        sequence = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
-    seconds = time.perf_counter() - started
-    new_tokens = sequence.shape[1] - input_ids.shape[1]
-    print(tokenizer.decode(sequence[0, input_ids.shape[1]:], skip_special_tokens=True))
-    print(f"\n[greedy] {new_tokens} tokens in {seconds:.1f}s ({new_tokens / seconds:.2f} tokens/s)")
-
-    mask = RoutingMask.from_model(model, skip=skip or light_middle_mask(model))
-    agreement = teacher_forced_agreement(model, mask, sequence, start=input_ids.shape[1])
+        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        greedy, greedy_seconds = _timed(lambda: model.generate(ids, **common))
+        viasd, viasd_seconds = _timed(lambda: model.generate(
+            ids, viasd_config=ViaSDConfig.paper(routing_mask=mask), return_dict_in_generate=True, **drafting, **common
+        ))
+    generated = viasd.sequences[0, ids.shape[1]:]
+    reference = greedy[0, ids.shape[1]:]
+    agreement = sum(int(a == b) for a, b in zip(generated.tolist(), reference.tolist())) / max(1, len(reference))
+    print(tokenizer.decode(generated, skip_special_tokens=True))
+    print(f"\n[mask] {provenance}: skips {mask.skipped_layers} of {mask.num_layers} layers ({mask.skip_ratio:.0%})")
+    print(f"[viasd] {viasd.viasd_stats.summary()}")
     print(
-        f"[slim verifier] skips layers {mask.skipped_layers} of {mask.num_layers} "
-        f"({mask.skip_ratio:.0%}): top-1 agreement with the full model {agreement.top1:.1%}, "
-        f"mean KL {agreement.kl:.3f} nats over {agreement.positions} positions"
+        f"[speed] greedy {len(reference) / greedy_seconds:.2f} tokens/s, VIA-SD {len(generated) / viasd_seconds:.2f} "
+        f"tokens/s: {greedy_seconds / viasd_seconds * len(generated) / max(1, len(reference)):.2f}x greedy "
+        f"(same run); token agreement with greedy {agreement:.0%}"
     )

@@ -16,6 +16,7 @@ shipped folder, which is only ever read from disk.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, constants
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
@@ -43,7 +44,7 @@ SEARCH_LOG_FILENAME = "search_log.jsonl"
 CARD_FILENAME = "README.md"
 CARD_TAGS = ("viasd", "speculative-decoding", "routing-mask", "layer-skipping")
 HOW_TO_GET_A_MASK = (
-    "To get one, search a mask for the model with `viasd search` (and publish it with `viasd push`), "
+    "To get a mask: search one for the model with `viasd search` (and publish it with `viasd push`), "
     "or download a published one with `viasd pull --target TARGET --drafter DRAFTER --repo-id REPO --out DIR`."
 )
 
@@ -59,9 +60,14 @@ def model_slug(model_id: str) -> str:
     return model_id.strip().strip("/").lower().replace("/", "--")
 
 
+def pair_folder(target: str, drafter: str = "self") -> str:
+    """The folder of the ``(target, drafter)`` pair in a masks repo (ids or slugs alike)."""
+    return f"{model_slug(target)}/{model_slug(drafter or 'self')}"
+
+
 def mask_path_in_repo(target: str, drafter: str = "self") -> str:
-    """Where the mask of the ``(target, drafter)`` pair lives in a masks repo (ids or slugs alike)."""
-    return f"{model_slug(target)}/{model_slug(drafter or 'self')}/{MASK_FILENAME}"
+    """Where the mask of the ``(target, drafter)`` pair lives in a masks repo."""
+    return f"{pair_folder(target, drafter)}/{MASK_FILENAME}"
 
 
 def default_masks_repo() -> str:
@@ -84,7 +90,7 @@ def check_pushable(mask: RoutingMask, model: nn.Module | None = None) -> None:
     JSON to run them again (schema, duplicate or out-of-range layers, unknown fields).
     """
     try:
-        RoutingMask.from_dict(RoutingMask._from_json_text(mask.to_json()))
+        RoutingMask.from_dict(json.loads(mask.to_json()))
     except TypeError as error:
         raise RoutingMaskError(f"the routing mask does not serialise to JSON: {error}") from error
     if not mask.target_id or not mask.target_fingerprint:
@@ -118,7 +124,7 @@ def push_mask(
     """
     mask, search_log = _mask_and_search_log(source)
     check_pushable(mask, model)
-    folder = mask_path_in_repo(target_slug or mask.target_id, drafter_slug or mask.drafter_id).rsplit("/", 1)[0]
+    folder = pair_folder(target_slug or mask.target_id, drafter_slug or mask.drafter_id)
     api = HfApi(endpoint=endpoint, token=token)
     if create_repo:
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -189,7 +195,7 @@ tags:
 
 # VIA-SD routing masks
 
-Routing masks for VIA-SD speculative decoding with [viasd_hf](https://pypi.org/project/viasd_hf/).
+Routing masks for VIA-SD speculative decoding with `viasd_hf`.
 A mask names the decoder layers the slim verifier keeps for one target model (and drafter); it
 carries the target's config fingerprint and refuses to be applied to any other model.
 
@@ -307,14 +313,14 @@ def _hub_miss(api: HfApi, repo_id: str, filename: str, revision: str | None, err
     elif isinstance(error, RevisionNotFoundError):
         reason = f"revision {revision!r} not found"
     elif isinstance(error, LocalEntryNotFoundError):
-        reason = "not in the local cache, and the Hub was not asked or not reachable (offline or local_files_only)"
+        reason = "not in the local cache, and the Hub was not reachable (offline mode, local_files_only or no connection)"
     elif isinstance(error, EntryNotFoundError):
         reason = "no such file"
     elif isinstance(error, HFValidationError):
         reason = "not a valid repo id"
     else:
         reason = str(error).strip().splitlines()[0]
-    return f"Hub repo {repo_id} at {api.endpoint or constants.ENDPOINT} (revision {revision or 'main'}), {filename}: {reason}"
+    return f"Hub repo {repo_id} at {api.endpoint} (revision {revision or 'main'}), {filename}: {reason}"
 
 
 def _not_found(headline: str, looked: list[str]) -> str:

@@ -1,0 +1,153 @@
+"""Side-by-side decoding speed: every method on the same prompts, interleaved, in one process.
+
+Ratios to plain greedy are only meaningful when measured in the same run (machine load moves
+absolute tokens/s by ±15 % here, DESIGN §9), so methods alternate prompt by prompt after a
+warm-up, and each ratio is the median over prompts of (method tokens/s) / (greedy tokens/s).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .config import ViaSDConfig
+from .generation import enable_viasd
+from .masks import RoutingMask
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+@dataclass
+class MethodResult:
+    tokens_per_s: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    sequences: list[list[int]] = field(default_factory=list)
+    stats: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "tokens_per_s": statistics.median(self.tokens_per_s),
+            "speedup_vs_greedy": statistics.median(self.ratios),
+        }
+        if self.stats:
+            drafted = sum(s["drafted_tokens"] for s in self.stats)
+            accepted = sum(s["accepted_tokens"] for s in self.stats)
+            new = sum(s["new_tokens"] for s in self.stats)
+            full_calls = sum(s["full_forwards"] - s["prefill_forwards"] for s in self.stats)
+            row |= {
+                "rejection_rate": 1 - accepted / drafted if drafted else 0.0,
+                "full_calls_per_token": full_calls / new if new else 0.0,
+                "mean_accepted": new / full_calls if full_calls else float(new),
+                "escalated_blocks": sum(s["escalated_blocks"] for s in self.stats),
+                "slim_committed_tokens": sum(s["slim_committed_tokens"] for s in self.stats),
+            }
+        return row
+
+
+def load_prompts(path: Path = SPEC_BENCH, limit: int = 4, per_category: int | None = None) -> list[str]:
+    """First-turn prompts, ``per_category`` from each Spec-Bench category (or simply the first ``limit``)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if per_category:
+        seen: dict[str, int] = {}
+        picked = []
+        for row in rows:
+            category = row.get("category", "all")
+            if seen.get(category, 0) < per_category:
+                seen[category] = seen.get(category, 0) + 1
+                picked.append(row)
+        rows = picked
+    return [row["turns"][0] if "turns" in row else row["prompt"] for row in rows[:limit]]
+
+
+def method_table(
+    target: nn.Module, drafter: nn.Module, mask: RoutingMask, common: dict[str, Any]
+) -> dict[str, Callable[[torch.Tensor], Any]]:
+    """The peers a user would otherwise pick, and VIA-SD, as callables on one prompt."""
+    enable_viasd(target)
+    return {
+        "greedy": lambda ids: target.generate(ids, **common),
+        "hf_assisted": lambda ids: target.generate(ids, assistant_model=drafter, **common),
+        "two_tier": lambda ids: target.generate(ids, assistant_model=drafter, viasd_config=ViaSDConfig(use_slim=False), **common),
+        "viasd": lambda ids: target.generate(ids, assistant_model=drafter, viasd_config=ViaSDConfig.paper(routing_mask=mask), **common),
+        "viasd_lossless": lambda ids: target.generate(
+            ids, assistant_model=drafter, viasd_config=ViaSDConfig(routing_mask=mask, mode="lossless"), **common
+        ),
+    }
+
+
+@torch.no_grad()
+def compare_speed(
+    target: nn.Module,
+    tokenizer: Any,
+    drafter: nn.Module,
+    mask: RoutingMask,
+    prompts: list[str],
+    max_new_tokens: int = 64,
+    methods: list[str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    common = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_dict_in_generate": True}
+    table = method_table(target, drafter, mask, common)
+    chosen = {name: table[name] for name in (methods or list(table))}
+    results = {name: MethodResult() for name in chosen}
+    encoded = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        for p in prompts
+    ]
+    for generate in chosen.values():  # warm-up
+        generate(encoded[0][:, :16])
+    with tqdm(total=len(encoded) * len(chosen), desc="speed") as bar:
+        for index, ids in enumerate(encoded):
+            order = list(chosen.items())
+            order = order[index % len(order) :] + order[: index % len(order)]
+            speeds = {}
+            for name, generate in order:
+                started = time.perf_counter()
+                out = generate(ids)
+                seconds = time.perf_counter() - started
+                new = out.sequences.shape[1] - ids.shape[1]
+                speeds[name] = new / seconds
+                results[name].tokens_per_s.append(speeds[name])
+                results[name].sequences.append(out.sequences[0, ids.shape[1] :].tolist())
+                if getattr(out, "viasd_stats", None) is not None:
+                    results[name].stats.append(out.viasd_stats.to_dict())
+                bar.update()
+            for name in chosen:
+                results[name].ratios.append(speeds[name] / speeds["greedy"])
+    summary = {name: result.summary() for name, result in results.items()}
+    for name, result in results.items():
+        summary[name]["greedy_agreement"] = _agreement(result.sequences, results["greedy"].sequences)
+    return summary
+
+
+def _agreement(sequences: list[list[int]], reference: list[list[int]]) -> float:
+    """Fraction of generated tokens equal to greedy's at the same position."""
+    same = total = 0
+    for ours, theirs in zip(sequences, reference):
+        total += len(theirs)
+        same += sum(a == b for a, b in zip(ours, theirs))
+    return same / total if total else 1.0
+
+
+def markdown(summary: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| method | tokens/s | × greedy | rejection rate | full calls / token | greedy agreement |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, row in summary.items():
+        rejection = f"{row['rejection_rate']:.2f}" if "rejection_rate" in row else "–"
+        calls = f"{row['full_calls_per_token']:.2f}" if "full_calls_per_token" in row else ("1.00" if name == "greedy" else "–")
+        lines.append(
+            f"| {name} | {row['tokens_per_s']:.2f} | {row['speedup_vs_greedy']:.2f} | {rejection} | {calls} | "
+            f"{row['greedy_agreement']:.2f} |"
+        )
+    return "\n".join(lines)
