@@ -295,3 +295,25 @@ def test_peft_target_runs_end_to_end(pair):
     out = peft_model.generate(input_ids=ids, assistant_model=assistant, max_new_tokens=12,
                               viasd_config=ViaSDConfig(routing_mask=mask, mode="lossless"), **GREEDY)
     assert torch.equal(out, expected)
+
+
+def test_accelerate_offloaded_target_equals_generate(tmp_path):
+    model = tiny_causal_lm("llama")
+    model.save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    device_map |= {f"model.layers.{i}": "disk" if i % 2 else "cpu" for i in range(6)}
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                  offload_folder=tmp_path / "offload").eval()
+    ids = prompt(11)
+    expected = target.generate(ids, max_new_tokens=12, **GREEDY)
+    out = viasd(target, ids, ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[3]), mode="lossless"),
+                max_new_tokens=12, prompt_lookup_num_tokens=3)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_bfloat16_target_and_drafter_run_end_to_end():
+    target = tiny_causal_lm("qwen2", seed=0, dtype=torch.bfloat16)
+    assistant = perturbed_copy(target, 0.003, seed=2)
+    out = viasd(target, prompt(12), ViaSDConfig.paper(routing_mask=RoutingMask.from_model(target, skip=[2])),
+                drafter=assistant, max_new_tokens=16)
+    assert out.viasd_stats.new_tokens == 16

@@ -111,11 +111,19 @@ class ViaSDDecoder:
         return torch.cat(rows, dim=0)
 
     def _forward_unprocessed(self, state: DecodingState, draft: Draft) -> torch.Tensor:
-        """Logits over every token the full model has not processed, then the draft."""
+        """Run over every token the full model has not processed, then the draft; logits of the draft positions.
+
+        Only the last ``len(draft) + 1`` rows go through the LM head: with a 150k vocabulary the head
+        is a large share of a pass, and the backlog's predictions are not needed.
+        """
         pending = state.ids.new_tensor([draft.tokens])
         feed = torch.cat([state.ids[:, state.full_length :], pending], dim=-1)
         output = self.model(
-            feed, cache=state.full_cache, use_cache=True, **state.position_kwargs(state.full_length, feed.shape[1])
+            feed,
+            cache=state.full_cache,
+            use_cache=True,
+            logits_to_keep=len(draft.tokens) + 1,
+            **state.position_kwargs(state.full_length, feed.shape[1]),
         )
         return output.logits[0]
 
@@ -127,24 +135,21 @@ class ViaSDDecoder:
         crop_to(state.full_cache, state.full_length)
         self.stats.slim_forwards += 1
         self.stats.seconds["slim"] += time.perf_counter() - started
-        return self._scores(state, draft, logits[-(len(draft.tokens) + 1) :])
+        return self._scores(state, draft, logits)
 
-    def full_pass(self, state: DecodingState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full model's raw predictions of the backlog and its processed scores for the draft (+ bonus)."""
+    def full_pass(self, state: DecodingState, draft: Draft) -> torch.Tensor:
+        """The full model's processed scores for each draft position and one beyond (its bonus)."""
         started = time.perf_counter()
         logits = self._forward_unprocessed(state, draft)
         self.stats.full_forwards += 1
         self.stats.seconds["full"] += time.perf_counter() - started
-        block = len(draft.tokens) + 1
-        return logits[:-block].argmax(-1), self._scores(state, draft, logits[-block:])
+        return self._scores(state, draft, logits)
 
     # -- tier decisions ----------------------------------------------------------------------
 
     def verify_with_full_model(self, state: DecodingState, draft: Draft) -> tuple[list[int], torch.Tensor]:
         """Standard greedy verification: keep the longest agreeing prefix, then the full model's own token."""
-        backlog = state.ids[0, state.full_length + 1 :]
-        backlog_predictions, scores = self.full_pass(state, draft)
-        self.stats.slim_committed_mismatches += int((backlog_predictions[: backlog.shape[0]] != backlog).sum())
+        scores = self.full_pass(state, draft)
         targets = scores.argmax(-1).tolist()
         accepted = 0
         while accepted < len(draft.tokens) and draft.tokens[accepted] == targets[accepted]:
@@ -214,7 +219,13 @@ class ViaSDDecoder:
         """The full model processes the prompt but its last token, which opens the first block."""
         if state.length > 1:
             started = time.perf_counter()
-            self.model(state.ids[:, :-1], cache=state.full_cache, use_cache=True, **state.position_kwargs(0, state.length - 1))
+            self.model(
+                state.ids[:, :-1],
+                cache=state.full_cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **state.position_kwargs(0, state.length - 1),
+            )
             self.stats.full_forwards += 1
             self.stats.prefill_forwards += 1
             self.stats.seconds["full"] += time.perf_counter() - started

@@ -103,7 +103,9 @@ class AssistantDrafter(_ModelDrafter):
 
     def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
         start = len(self.processed)
-        logits = self.model(tokens, cache=self.cache, use_cache=True, **state.position_kwargs(start, tokens.shape[1])).logits
+        logits = self.model(
+            tokens, cache=self.cache, use_cache=True, logits_to_keep=1, **state.position_kwargs(start, tokens.shape[1])
+        ).logits
         self.processed.extend(tokens[0].tolist())
         return logits
 
@@ -143,7 +145,11 @@ class SelfDrafter(_ModelDrafter):
     def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
         with routed(self.model, self.mask):
             logits = self.model(
-                tokens, cache=state.full_cache, use_cache=True, **state.position_kwargs(self._fed, tokens.shape[1])
+                tokens,
+                cache=state.full_cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **state.position_kwargs(self._fed, tokens.shape[1]),
             ).logits
         self._fed += tokens.shape[1]
         return logits

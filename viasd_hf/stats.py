@@ -31,7 +31,6 @@ class ViaSDStats:
     slim_tokens: int = 0
     full_tokens: int = 0
     slim_committed_tokens: int = 0
-    slim_committed_mismatches: int = 0
     peak_slim_backlog: int = 0
     full_forwards: int = 0
     prefill_forwards: int = 0
