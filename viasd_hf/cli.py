@@ -37,6 +37,9 @@ def _add_speed(subparsers: argparse._SubParsersAction) -> None:
     speed.add_argument("--max-new-tokens", type=int, default=64)
     speed.add_argument("--dtype", default="bfloat16")
     speed.add_argument("--methods", help="comma-separated subset of greedy,hf_assisted,two_tier,viasd,viasd_lossless")
+    speed.add_argument("--gamma", type=int, default=5, help="draft tokens per block for the VIA-SD variants")
+    speed.add_argument("--draft-threshold", type=float, help="stop drafting below this drafter confidence")
+    speed.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     speed.add_argument("--json", help="write the summary here")
     speed.set_defaults(handler=_run_speed)
 
@@ -49,6 +52,10 @@ def _run_speed(args: argparse.Namespace) -> int:
     from .models import load_pretrained
     from .speed import compare_speed, load_prompts, markdown
 
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target, tokenizer = load_pretrained(args.target, dtype=args.dtype)
     drafter, _ = load_pretrained(args.drafter, dtype=args.dtype)
     if args.mask:
@@ -58,7 +65,8 @@ def _run_speed(args: argparse.Namespace) -> int:
         mask = RoutingMask.from_model(target, skip=skip, drafter_id=args.drafter)
     prompts = load_prompts(limit=args.prompts, per_category=1)
     methods = args.methods.split(",") if args.methods else None
-    summary = compare_speed(target, tokenizer, drafter, mask, prompts, args.max_new_tokens, methods)
+    drafting = {"num_draft_tokens": args.gamma, "draft_confidence_threshold": args.draft_threshold}
+    summary = compare_speed(target, tokenizer, drafter, mask, prompts, args.max_new_tokens, methods, drafting)
     print(markdown(summary))
     if args.json:
         with open(args.json, "w") as handle:

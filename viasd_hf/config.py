@@ -25,7 +25,7 @@ class ViaSDConfig:
     """
 
     num_draft_tokens: int = 5
-    draft_confidence_threshold: float | None = None
+    draft_confidence_threshold: float | None = 0.4  # as HF assisted generation: stop drafting when unsure
     routing_mask: RoutingMask | str | None = None
     self_draft_mask: RoutingMask | str | None = None
     use_slim: bool = True

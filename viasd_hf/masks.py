@@ -137,34 +137,17 @@ class RoutingMask:
         path.write_text(self.to_json())
         return path
 
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        target_slug: str | None = None,
-        drafter_slug: str | None = None,
-        model: nn.Module | None = None,
-        token: str | bool | None = None,
-        endpoint: str | None = None,
-        revision: str | None = None,
-        commit_message: str | None = None,
-        private: bool | None = None,
-        create_repo: bool = True,
-    ) -> CommitInfo:
+    def push_to_hub(self, repo_id: str, **options: Any) -> CommitInfo:
         """Publish this mask to a Hub repo of masks and refresh the repo's model card.
 
         It lands at ``<target-slug>/<drafter-slug or self>/routing_mask.json`` (slugs default to
-        the ids in the mask). A mask that is inconsistent, or not made for ``model`` when one is
+        the ids in the mask). A mask that is inconsistent, or not made for ``model=`` when one is
         given, is refused. Returns the commit (a ``str``, its URL; ``.oid`` is the commit sha).
-        See ``viasd_hf.hub.push_mask``.
+        ``options`` are those of ``viasd_hf.hub.push_mask`` (``endpoint``, ``revision``, ``token``, ...).
         """
         from .hub import push_mask
 
-        return push_mask(
-            self, repo_id, target_slug=target_slug, drafter_slug=drafter_slug, model=model, token=token,
-            endpoint=endpoint, revision=revision, commit_message=commit_message, private=private,
-            create_repo=create_repo,
-        )
+        return push_mask(self, repo_id, **options)
 
     @classmethod
     def from_pretrained(

@@ -69,19 +69,26 @@ def load_prompts(path: Path = SPEC_BENCH, limit: int = 4, per_category: int | No
 
 
 def method_table(
-    target: nn.Module, drafter: nn.Module, mask: RoutingMask, common: dict[str, Any]
+    target: nn.Module, drafter: nn.Module, mask: RoutingMask, common: dict[str, Any], drafting: dict[str, Any]
 ) -> dict[str, Callable[[torch.Tensor], Any]]:
-    """The peers a user would otherwise pick, and VIA-SD, as callables on one prompt."""
+    """The peers a user would otherwise pick, and VIA-SD, as callables on one prompt.
+
+    ``drafting`` (γ, draft confidence threshold) applies to every VIA-SD variant alike.
+    """
     enable_viasd(target)
+    configs = {
+        "two_tier": ViaSDConfig(use_slim=False, **drafting),
+        "viasd": ViaSDConfig.paper(routing_mask=mask, **drafting),
+        "viasd_lossless": ViaSDConfig(routing_mask=mask, mode="lossless", **drafting),
+    }
+
+    def viasd_method(config: ViaSDConfig) -> Callable[[torch.Tensor], Any]:
+        return lambda ids: target.generate(ids, assistant_model=drafter, viasd_config=config, **common)
+
     return {
         "greedy": lambda ids: target.generate(ids, **common),
         "hf_assisted": lambda ids: target.generate(ids, assistant_model=drafter, **common),
-        "two_tier": lambda ids: target.generate(ids, assistant_model=drafter, viasd_config=ViaSDConfig(use_slim=False), **common),
-        "viasd": lambda ids: target.generate(ids, assistant_model=drafter, viasd_config=ViaSDConfig.paper(routing_mask=mask), **common),
-        "viasd_lossless": lambda ids: target.generate(
-            ids, assistant_model=drafter, viasd_config=ViaSDConfig(routing_mask=mask, mode="lossless"), **common
-        ),
-    }
+    } | {name: viasd_method(config) for name, config in configs.items()}
 
 
 @torch.no_grad()
@@ -93,9 +100,10 @@ def compare_speed(
     prompts: list[str],
     max_new_tokens: int = 64,
     methods: list[str] | None = None,
+    drafting: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     common = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_dict_in_generate": True}
-    table = method_table(target, drafter, mask, common)
+    table = method_table(target, drafter, mask, common, drafting or {})
     chosen = {name: table[name] for name in (methods or list(table))}
     results = {name: MethodResult() for name in chosen}
     encoded = [
