@@ -74,11 +74,44 @@ def _run_speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_profile(subparsers: argparse._SubParsersAction) -> None:
+    profile = subparsers.add_parser("profile", help="cost of a slim forward relative to a full one, on this machine")
+    profile.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    profile.add_argument("--dtype", default="bfloat16")
+    profile.add_argument("--skip-ratios", default="0.25,0.45", help="evenly spaced masks skipping these fractions")
+    profile.add_argument("--context", type=int, default=300, help="tokens already in the KV cache")
+    profile.add_argument("--blocks", default="1,6", help="new tokens per timed forward")
+    profile.add_argument("--repeats", type=int, default=7)
+    profile.set_defaults(handler=_run_profile)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from .masks import RoutingMask
+    from .models import load_pretrained
+    from .profiling import cost_ratios, evenly_spaced_skip, forward_seconds
+
+    model, _ = load_pretrained(args.target, dtype=args.dtype)
+    masks: dict[str, RoutingMask | None] = {"full": None}
+    for ratio in (float(r) for r in args.skip_ratios.split(",")):
+        masks[f"slim {ratio:.0%}"] = RoutingMask.from_model(model, skip=evenly_spaced_skip(model, ratio))
+    blocks = tuple(int(n) for n in args.blocks.split(","))
+    seconds = forward_seconds(model, args.context, blocks, masks, repeats=args.repeats)
+    ratios = cost_ratios(seconds)
+    print(f"{args.target} ({args.dtype}), KV cache of {args.context} tokens; cost relative to one full 1-token forward")
+    print("| forward | " + " | ".join(f"{n} new" for n in blocks) + " |")
+    print("|---|" + "---|" * len(blocks))
+    for label, per_block in ratios.items():
+        cells = " | ".join(f"{per_block[n]:.2f} ({seconds[label][n] * 1000:.0f} ms)" for n in blocks)
+        print(f"| {label} | {cells} |")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="viasd", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_demo(subparsers)
     _add_speed(subparsers)
+    _add_profile(subparsers)
     add_hub_commands(subparsers)
     return parser
 

@@ -31,9 +31,9 @@ def light_middle_mask(model: nn.Module, budget: float = 0.1) -> list[int]:
 
 
 def demo_mask(model: nn.Module, target: str, drafter: str) -> tuple[RoutingMask, str]:
-    """The shipped/Hub mask for the pair when there is one, else the light fallback (and say which)."""
+    """The mask for the pair from the user cache or ``hub_masks/`` (no network), else a light fallback."""
     try:
-        mask = RoutingMask.from_pretrained((target, drafter))
+        mask = RoutingMask.from_pretrained((target, drafter), local_files_only=True)
         mask.validate_for(model)
         return mask, f"searched mask for ({target}, {drafter})"
     except RoutingMaskError:
@@ -65,7 +65,7 @@ def run_demo(
     if drafter_name:
         print(f"loading drafter {drafter_name} ({dtype}) ...", flush=True)
         drafting = {"assistant_model": load_pretrained(drafter_name, dtype=dtype)[0]}
-    mask, provenance = demo_mask(model, target_name, drafter_name or "prompt-lookup")
+    mask, provenance = demo_mask(model, target_name, drafter_name or "self")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"]
     common = {"max_new_tokens": max_new_tokens, "do_sample": False}

@@ -49,10 +49,9 @@ def resolve_mask(spec: RoutingMask | str | None, model: nn.Module, drafter_id: s
     return mask
 
 
-def _drafter_id(assistant_model: nn.Module | None, prompt_lookup: int | None) -> str:
-    if assistant_model is not None:
-        return str(model_config(assistant_model)._name_or_path)
-    return "prompt-lookup" if prompt_lookup else "self"
+def _drafter_id(assistant_model: nn.Module | None) -> str:
+    """The drafter a slim mask is looked up for; model-free drafters use the target's own ("self") mask."""
+    return str(model_config(assistant_model)._name_or_path) if assistant_model is not None else "self"
 
 
 def check_same_vocabulary(model: nn.Module, assistant_model: nn.Module) -> None:
@@ -104,8 +103,7 @@ def viasd_generate(
     chosen = build_drafter(model, config, generation_config, logits_processor, drafter)
     slim_mask = None
     if config.use_slim:
-        drafter_id = _drafter_id(drafter, generation_config.prompt_lookup_num_tokens)
-        slim_mask = resolve_mask(config.routing_mask, model, drafter_id)
+        slim_mask = resolve_mask(config.routing_mask, model, _drafter_id(drafter))
     keep_scores = bool(generation_config.output_scores)
     decoder = ViaSDDecoder(
         model,

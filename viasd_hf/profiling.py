@@ -16,6 +16,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from .architectures import num_decoder_layers, protected_layers
 from .cache import crop_to, new_cache
 from .masks import RoutingMask
 from .routing import routed
@@ -67,3 +68,14 @@ def cost_ratios(seconds: dict[str, dict[int, float]], reference: str = "full") -
     """Each variant's time relative to the reference's single-token forward."""
     unit = seconds[reference][min(seconds[reference])]
     return {label: {n: t / unit for n, t in per_n.items()} for label, per_n in seconds.items()}
+
+
+def evenly_spaced_skip(model: nn.Module, ratio: float) -> list[int]:
+    """``round(ratio · L)`` unprotected layers spread over the depth: a cost probe, not a searched mask."""
+    protected = protected_layers(model)
+    candidates = [layer for layer in range(num_decoder_layers(model)) if layer not in protected]
+    wanted = min(len(candidates), round(ratio * num_decoder_layers(model)))
+    if wanted == 0:
+        return []
+    step = len(candidates) / wanted
+    return [candidates[int(i * step)] for i in range(wanted)]
