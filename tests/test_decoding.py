@@ -241,9 +241,6 @@ def test_clear_errors_for_unsupported_requests(pair, masks):
     config = ViaSDConfig(routing_mask=masks[0])
     with pytest.raises(ValueError, match="batch of 2"):
         viasd(target, torch.cat([prompt(0), prompt(1)]), config, drafter=assistant)
-    with pytest.raises(ValueError, match="do_sample=True"):
-        target.generate(prompt(0), custom_generate=viasd_generate, viasd_config=config, drafter=assistant, do_sample=True,
-                        max_new_tokens=4, pad_token_id=0)
     other_vocab = tiny_causal_lm("llama", seed=1, dtype=torch.float64, vocab_size=VOCAB + 8)
     with pytest.raises(ValueError, match="shares the target's tokenizer"):
         viasd(target, prompt(0), config, drafter=other_vocab)

@@ -32,6 +32,7 @@ from .config import ViaSDConfig
 from .drafters import Draft, Drafter
 from .masks import RoutingMask
 from .routing import routed
+from .sampling import cascade_target, one_hot, rejection_step, sample
 from .stats import ViaSDStats
 from .tiers import Tier, decide
 
@@ -71,6 +72,21 @@ class DecodingState:
             raise CacheInvariantError(f"full cache layer lengths {lengths} != processed tokens {self.full_length}")
 
 
+@dataclass
+class SlimVerdict:
+    """What the slim verifier made of a block.
+
+    ``accepted`` leading drafts passed; ``stopped_by`` is what ended the walk (``None``: every draft
+    passed and ``token`` is the slim verifier's bonus); ``token`` is its own token for the next
+    position (regenerated or bonus); ``proposals`` the distribution each checked position follows.
+    """
+
+    accepted: int
+    stopped_by: Tier | None
+    token: int | None
+    proposals: list[torch.Tensor]
+
+
 class ViaSDDecoder:
     """One generate call's worth of VIA-SD; ``run`` returns the committed sequence."""
 
@@ -86,6 +102,7 @@ class ViaSDDecoder:
         streamer: BaseStreamer | None = None,
         keep_scores: bool = False,
         check_invariants: bool = False,
+        do_sample: bool = False,
     ) -> None:
         self.model = model
         self.drafter = drafter
@@ -97,6 +114,7 @@ class ViaSDDecoder:
         self.streamer = streamer
         self.keep_scores = keep_scores
         self.check_invariants = check_invariants
+        self.do_sample = do_sample
         self.stats = ViaSDStats()
         self.finished = False
 
@@ -127,15 +145,15 @@ class ViaSDDecoder:
         )
         return output.logits[0]
 
-    def slim_pass(self, state: DecodingState, draft: Draft) -> torch.Tensor:
-        """The slim verifier's scores for each draft position and one beyond (its bonus)."""
+    def slim_pass(self, state: DecodingState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slim verifier's unscaled probabilities and processed scores for each draft position and one beyond."""
         started = time.perf_counter()
         with routed(self.model, self.slim_mask):
             logits = self._forward_unprocessed(state, draft)
         crop_to(state.full_cache, state.full_length)
         self.stats.slim_forwards += 1
         self.stats.seconds["slim"] += time.perf_counter() - started
-        return self._scores(state, draft, logits)
+        return logits.float().softmax(-1), self._scores(state, draft, logits)
 
     def full_pass(self, state: DecodingState, draft: Draft) -> torch.Tensor:
         """The full model's processed scores for each draft position and one beyond (its bonus)."""
@@ -148,56 +166,109 @@ class ViaSDDecoder:
     # -- tier decisions ----------------------------------------------------------------------
 
     def verify_with_full_model(self, state: DecodingState, draft: Draft) -> tuple[list[int], torch.Tensor]:
-        """Standard greedy verification: keep the longest agreeing prefix, then the full model's own token."""
+        """Standard verification: keep the drafts the full model accepts, then add the full model's own token."""
         scores = self.full_pass(state, draft)
-        targets = scores.argmax(-1).tolist()
-        accepted = 0
-        while accepted < len(draft.tokens) and draft.tokens[accepted] == targets[accepted]:
-            accepted += 1
+        if self.do_sample:
+            accepted, own_token = self._sampled_verification(draft, scores.softmax(-1))
+        else:
+            accepted, own_token = self._greedy_verification(draft, scores.argmax(-1).tolist())
         for position in range(len(draft.tokens)):
             self.stats.record_position(position, position < accepted)
         state.full_length = state.length + accepted
         crop_to(state.full_cache, state.full_length)
         self.stats.accepted_tokens += accepted
         self.stats.full_tokens += 1
-        return draft.tokens[:accepted] + [targets[accepted]], scores[: accepted + 1]
+        return draft.tokens[:accepted] + [own_token], scores[: accepted + 1]
 
-    def walk_slim_decisions(self, draft: Draft, slim_scores: torch.Tensor) -> tuple[int, Tier | None]:
-        """How many leading drafts the slim verifier accepts, and what stopped it (``None``: it accepted all)."""
-        probs = slim_scores.softmax(-1)
+    @staticmethod
+    def _greedy_verification(draft: Draft, targets: list[int]) -> tuple[int, int]:
+        accepted = 0
+        while accepted < len(draft.tokens) and draft.tokens[accepted] == targets[accepted]:
+            accepted += 1
+        return accepted, targets[accepted]
+
+    @staticmethod
+    def _sampled_verification(draft: Draft, target_probs: torch.Tensor) -> tuple[int, int]:
+        """Rejection sampling against each draft's proposal; the output is distributed exactly as the target."""
         for position, token in enumerate(draft.tokens):
-            tier = decide(probs[position], token, self.config)
-            if tier is not Tier.ACCEPT:
-                return position, tier
-        return len(draft.tokens), None
+            proposal = draft.probs[position]
+            proposal = one_hot(token, target_probs[position]) if proposal is None else proposal
+            resampled = rejection_step(token, proposal, target_probs[position])
+            if resampled is not None:
+                return position, resampled
+        return len(draft.tokens), sample(target_probs[len(draft.tokens)])
+
+    def slim_verdicts(self, draft: Draft, slim_unscaled: torch.Tensor, slim_scores: torch.Tensor) -> SlimVerdict:
+        """Walk the block with the slim verifier until it stops accepting drafts.
+
+        Greedy: each token is accepted, regenerated or escalated by its confidence (``tiers.decide``).
+        Sampling: escalation is decided the same way on unscaled probabilities; otherwise the token
+        is checked by rejection sampling against the cascade target π, and a rejection resamples it
+        from the residual (a regeneration). Either way every token the slim tier passes on is
+        distributed as π, which is the proposal the full model must verify it against.
+        """
+        slim_probs = slim_scores.softmax(-1)
+        verdict = SlimVerdict(accepted=0, stopped_by=None, token=None, proposals=[])
+        for position, token in enumerate(draft.tokens):
+            tier = decide(slim_unscaled[position], token, self.config)
+            if not self.do_sample:
+                if tier is not Tier.ACCEPT:
+                    verdict.stopped_by = tier
+                    verdict.token = int(slim_scores[position].argmax())
+                    return verdict
+                verdict.accepted += 1
+                continue
+            if tier is Tier.ESCALATE and self.config.mode == "tiered":
+                verdict.stopped_by = tier
+                return verdict
+            proposal = draft.probs[position]
+            proposal = one_hot(token, slim_probs[position]) if proposal is None else proposal
+            target = cascade_target(proposal, slim_probs[position], slim_unscaled[position], self.config.tau_accept)
+            verdict.proposals.append(target)
+            resampled = rejection_step(token, proposal, target)
+            if resampled is not None:
+                verdict.stopped_by, verdict.token = Tier.REGENERATE, resampled
+                return verdict
+            verdict.accepted += 1
+        bonus = slim_probs[len(draft.tokens)]
+        verdict.token = sample(bonus) if self.do_sample else int(bonus.argmax())
+        return verdict
 
     def tiered_block(self, state: DecodingState, draft: Draft) -> tuple[list[int], torch.Tensor]:
         """The paper's block: the slim tier commits on its own authority unless a token is escalated."""
-        slim_scores = self.slim_pass(state, draft)
-        accepted, stopped_by = self.walk_slim_decisions(draft, slim_scores)
-        if stopped_by is Tier.ESCALATE:
+        slim_unscaled, slim_scores = self.slim_pass(state, draft)
+        verdict = self.slim_verdicts(draft, slim_unscaled, slim_scores)
+        if verdict.stopped_by is Tier.ESCALATE:
             self.stats.escalated_blocks += 1
             self.stats.escalated_tokens += 1
             return self.verify_with_full_model(state, draft)
+        accepted = verdict.accepted
         for position in range(len(draft.tokens)):
             self.stats.record_position(position, position < accepted)
-        slim_token = int(slim_scores[accepted].argmax())
         self.stats.accepted_tokens += accepted
         self.stats.slim_accepted_tokens += accepted
         self.stats.regenerated_tokens += 1
         self.stats.slim_tokens += 1
         self.stats.slim_committed_tokens += accepted + 1
-        return draft.tokens[:accepted] + [slim_token], slim_scores[: accepted + 1]
+        return draft.tokens[:accepted] + [verdict.token], slim_scores[: accepted + 1]
 
     def repaired_by_slim(self, state: DecodingState, draft: Draft) -> Draft:
-        """Lossless mode: replace the first draft the slim tier would regenerate, and drop what followed it."""
-        slim_scores = self.slim_pass(state, draft)
-        accepted, stopped_by = self.walk_slim_decisions(draft, slim_scores)
-        if stopped_by is not Tier.REGENERATE:
-            return draft
-        self.stats.regenerated_tokens += 1
-        repaired = draft.tokens[:accepted] + [int(slim_scores[accepted].argmax())]
-        return Draft(tokens=repaired, probs=draft.probs[: accepted + 1])
+        """Lossless mode: the slim tier may replace one draft (dropping what followed); the full model verifies all.
+
+        Sampling hands the full model the cascade target π of each slim-checked position as the
+        proposal — that is the distribution those tokens now follow.
+        """
+        slim_unscaled, slim_scores = self.slim_pass(state, draft)
+        verdict = self.slim_verdicts(draft, slim_unscaled, slim_scores)
+        accepted = verdict.accepted
+        if verdict.stopped_by is Tier.REGENERATE:
+            self.stats.regenerated_tokens += 1
+            tokens = draft.tokens[:accepted] + [verdict.token]
+        else:
+            tokens = list(draft.tokens)
+        if not self.do_sample:
+            return Draft(tokens=tokens, probs=draft.probs[: len(tokens)])
+        return Draft(tokens=tokens, probs=verdict.proposals)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -283,8 +354,6 @@ def check_supported(model: nn.Module, input_ids: torch.Tensor, generation_config
             f"VIA-SD decodes one sequence at a time (like HF assisted generation), got a batch of {input_ids.shape[0]}; "
             "call generate once per prompt"
         )
-    if generation_config.do_sample:
-        raise ValueError("VIA-SD sampling (do_sample=True) is not implemented yet; use do_sample=False (greedy)")
     if (generation_config.num_beams or 1) > 1:
         raise ValueError("VIA-SD does not support beam search; use num_beams=1")
     if (generation_config.num_return_sequences or 1) > 1:

@@ -20,6 +20,7 @@ from transformers import LogitsProcessorList
 from .cache import crop_to, new_cache
 from .masks import RoutingMask
 from .routing import routed
+from .sampling import sample
 
 if TYPE_CHECKING:
     from .decoding import DecodingState
@@ -45,13 +46,17 @@ class Drafter(Protocol):
 
 
 class _ModelDrafter:
-    """Greedy drafting with a causal LM; subclasses say which model runs and on which cache."""
+    """Drafting with a causal LM (greedy, or sampling from the processed distribution); subclasses say
+    which model runs and on which cache."""
 
     name = "model"
 
-    def __init__(self, logits_processor: LogitsProcessorList, confidence_threshold: float | None) -> None:
+    def __init__(
+        self, logits_processor: LogitsProcessorList, confidence_threshold: float | None, do_sample: bool = False
+    ) -> None:
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
+        self.do_sample = do_sample
         self.forwards = 0
         self.seconds = 0.0
 
@@ -75,7 +80,7 @@ class _ModelDrafter:
             self.forwards += 1
             scores = self.logits_processor(sequence, logits)
             probs = scores.softmax(-1)[0]
-            token = int(scores.argmax(-1))
+            token = sample(probs) if self.do_sample else int(scores.argmax(-1))
             draft.tokens.append(token)
             draft.probs.append(probs)
             feed = torch.tensor([[token]], device=sequence.device)
@@ -92,8 +97,14 @@ class AssistantDrafter(_ModelDrafter):
 
     name = "assistant"
 
-    def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None) -> None:
-        super().__init__(logits_processor, confidence_threshold)
+    def __init__(
+        self,
+        model: nn.Module,
+        logits_processor: LogitsProcessorList,
+        confidence_threshold: float | None,
+        do_sample: bool = False,
+    ) -> None:
+        super().__init__(logits_processor, confidence_threshold, do_sample)
         self.model = model
         self.cache = new_cache(model.config)
         self.processed: list[int] = []
@@ -130,9 +141,14 @@ class SelfDrafter(_ModelDrafter):
     name = "self"
 
     def __init__(
-        self, model: nn.Module, mask: RoutingMask, logits_processor: LogitsProcessorList, confidence_threshold: float | None
+        self,
+        model: nn.Module,
+        mask: RoutingMask,
+        logits_processor: LogitsProcessorList,
+        confidence_threshold: float | None,
+        do_sample: bool = False,
     ) -> None:
-        super().__init__(logits_processor, confidence_threshold)
+        super().__init__(logits_processor, confidence_threshold, do_sample)
         mask.validate_for(model)
         self.model = model
         self.mask = mask

@@ -76,11 +76,13 @@ def build_drafter(
     """Choose the drafter as HF users expect: assistant model, else prompt lookup, else the self-drafter."""
     if assistant_model is not None:
         check_same_vocabulary(model, assistant_model)
-        return AssistantDrafter(assistant_model, logits_processor, config.draft_confidence_threshold)
+        return AssistantDrafter(
+            assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample
+        )
     if generation_config.prompt_lookup_num_tokens:
         return PromptLookupDrafter(generation_config.prompt_lookup_num_tokens)
     mask = resolve_mask(config.self_draft_mask, model, "self-drafter")
-    return SelfDrafter(model, mask, logits_processor, config.draft_confidence_threshold)
+    return SelfDrafter(model, mask, logits_processor, config.draft_confidence_threshold, generation_config.do_sample)
 
 
 def viasd_generate(
@@ -116,6 +118,7 @@ def viasd_generate(
         streamer=viasd_streamer,
         keep_scores=keep_scores,
         check_invariants=viasd_check_invariants,
+        do_sample=bool(generation_config.do_sample),
     )
     state = decoder.run(input_ids, model_kwargs.get("attention_mask"))
     if not generation_config.return_dict_in_generate:
