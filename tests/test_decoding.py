@@ -96,7 +96,8 @@ def test_tiered_with_unit_thresholds_equals_lossless(pair, masks, seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_tiered_paper_preset_stats_add_up(pair, masks, seed):
     target, assistant = pair
-    out = viasd(target, prompt(seed), ViaSDConfig.paper(routing_mask=masks[0]), drafter=assistant, max_new_tokens=40)
+    out = viasd(target, prompt(seed), ViaSDConfig.paper(routing_mask=masks[0], adaptive=False), drafter=assistant,
+                max_new_tokens=40)
     stats = out.viasd_stats
     assert stats.new_tokens == out.sequences.shape[1] - 10 == 40
     assert stats.new_tokens == stats.accepted_tokens + stats.slim_tokens + stats.full_tokens
@@ -111,7 +112,7 @@ def test_tiered_paper_preset_stats_add_up(pair, masks, seed):
 
 def test_slim_backlog_is_bounded(pair, masks):
     target, assistant = pair
-    config = ViaSDConfig(routing_mask=masks[0], tau_accept=0.0, tau_escalate=0.0, max_slim_backlog=7)
+    config = ViaSDConfig(routing_mask=masks[0], tau_accept=0.0, tau_escalate=0.0, max_slim_backlog=7, adaptive=False)
     stats = viasd(target, prompt(0), config, drafter=assistant, max_new_tokens=40).viasd_stats
     assert stats.peak_slim_backlog <= 7
     assert stats.catch_up_blocks >= 1

@@ -114,7 +114,7 @@ def test_the_tv_bound_catches_a_wrong_proposal(models, monkeypatch):
 
 def test_tiered_sampling_commits_the_cascade_mixture(models):
     target, drafter, mask = models
-    config = ViaSDConfig(routing_mask=mask, mode="tiered", tau_accept=0.6, tau_escalate=0.0)
+    config = ViaSDConfig(routing_mask=mask, mode="tiered", tau_accept=0.6, tau_escalate=0.0, adaptive=False)
     first = Counter(run(target, drafter, config, 2, seed)[0] for seed in range(N))
     with torch.no_grad(), routed(target, mask):
         unscaled = target(PROMPT, use_cache=False).logits[0, -1].double().softmax(-1)

@@ -33,6 +33,7 @@ class ViaSDConfig:
     tau_accept: float = 0.7
     tau_escalate: float = 0.5
     mode: str = "tiered"
+    adaptive: bool = True  # slim tier only while it pays (measured online); draft length follows acceptance
     max_slim_backlog: int = 16  # tokens committed on the slim tier's authority before the full model must catch up
 
     def __post_init__(self) -> None:

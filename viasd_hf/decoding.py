@@ -26,6 +26,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from .adaptive import DraftLength, TierController
 from .architectures import is_encoder_decoder, model_type
 from .cache import crop_to, layer_lengths, new_cache
 from .config import ViaSDConfig
@@ -116,6 +117,9 @@ class ViaSDDecoder:
         self.check_invariants = check_invariants
         self.do_sample = do_sample
         self.stats = ViaSDStats()
+        self.controller = TierController() if config.adaptive and slim_mask is not None else None
+        longest = min(3 * config.num_draft_tokens, config.max_slim_backlog - 1)
+        self.draft_length = DraftLength(config.num_draft_tokens, longest if config.adaptive else config.num_draft_tokens)
         self.finished = False
 
     # -- passes ----------------------------------------------------------------------------
@@ -304,13 +308,16 @@ class ViaSDDecoder:
 
     def step(self, state: DecodingState) -> None:
         """One block: draft, then let the tiers decide what to commit."""
+        started = time.perf_counter()
+        accepted_before = self.stats.accepted_tokens
         room = self.max_length - state.length
-        draft = self.drafter.draft(state, min(self.config.num_draft_tokens, room - 1)) if room > 1 else Draft([], [])
+        draft = self.drafter.draft(state, min(self.draft_length.length, room - 1)) if room > 1 else Draft([], [])
         self.stats.blocks += 1
         self.stats.drafted_tokens += len(draft.tokens)
         slim_backlog = state.length - state.full_length - 1
         must_catch_up = slim_backlog + len(draft.tokens) + 1 > self.config.max_slim_backlog
-        slim_active = self.config.use_slim and self.slim_mask is not None and draft.tokens and not must_catch_up
+        wants_slim = self.controller.use_slim() if self.controller is not None else True
+        slim_active = self.slim_mask is not None and wants_slim and draft.tokens and not must_catch_up
         if not slim_active:
             self.stats.catch_up_blocks += int(must_catch_up)
             tokens, scores = self.verify_with_full_model(state, draft)
@@ -320,6 +327,10 @@ class ViaSDDecoder:
             tokens, scores = self.tiered_block(state, draft)
         self.commit(state, tokens, scores)
         self.stats.peak_slim_backlog = max(self.stats.peak_slim_backlog, state.length - state.full_length - 1)
+        if self.config.adaptive:
+            self.draft_length.update(len(draft.tokens), self.stats.accepted_tokens - accepted_before)
+        if self.controller is not None:
+            self.controller.observe(wants_slim, time.perf_counter() - started, len(tokens))
         if self.check_invariants:
             state.check_cache()
 
@@ -338,6 +349,10 @@ class ViaSDDecoder:
             self.step(state)
         if self.streamer is not None:
             self.streamer.end()
+        if self.controller is not None:
+            self.stats.slim_on_blocks = self.controller.on.blocks
+            self.stats.slim_off_blocks = self.controller.off.blocks
+            self.stats.tier_switches = self.controller.switches
         self.stats.drafter_forwards = self.drafter.forwards
         self.stats.seconds["drafter"] = self.drafter.seconds
         self.stats.seconds["total"] = time.perf_counter() - started

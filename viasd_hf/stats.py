@@ -14,6 +14,9 @@ from typing import Any
 class ViaSDStats:
     """Counts are tokens unless named ``*_forwards`` or ``*_blocks``.
 
+    With ``adaptive=True``, ``slim_on_blocks`` / ``slim_off_blocks`` say how often the slim tier
+    was active, and ``tier_switches`` when and why the controller switched it.
+
     ``new_tokens == accepted_tokens + slim_tokens + full_tokens``: every committed token was a
     draft that was accepted (by the slim or the full tier), or produced by the slim verifier
     (regenerated / its bonus token), or produced by the full model (correction / bonus).
@@ -32,6 +35,9 @@ class ViaSDStats:
     full_tokens: int = 0
     slim_committed_tokens: int = 0
     peak_slim_backlog: int = 0
+    slim_on_blocks: int = 0
+    slim_off_blocks: int = 0
+    tier_switches: list[dict] = field(default_factory=list)
     full_forwards: int = 0
     prefill_forwards: int = 0
     slim_forwards: int = 0

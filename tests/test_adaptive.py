@@ -1,0 +1,76 @@
+"""The adaptive controller keeps the slim tier only while it pays, and says why it switched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import zoo
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+from viasd_hf.adaptive import DraftLength, TierController
+
+
+def drive(controller: TierController, cost_on: float, cost_off: float, blocks: int) -> list[bool]:
+    """Run ``blocks`` blocks with fixed seconds per token in each regime; return the choices."""
+    choices = []
+    for _ in range(blocks):
+        slim = controller.use_slim()
+        choices.append(slim)
+        controller.observe(slim, (cost_on if slim else cost_off) * 4, 4)
+    return choices
+
+
+def test_a_slim_tier_that_does_not_pay_is_switched_off_and_probed_again():
+    controller = TierController(probe_every=16, probe_blocks=2, warmup_blocks=3)
+    choices = drive(controller, cost_on=0.12, cost_off=0.10, blocks=96)
+    assert sum(choices) < 0.25 * len(choices)
+    assert any(choices[20:]), "the slim tier must be probed again later"
+    assert controller.switches[0]["slim_tier"] == "off"
+    assert "ms/token with the slim tier" in controller.switches[0]["reason"]
+
+
+def test_a_slim_tier_that_pays_stays_on():
+    controller = TierController()
+    choices = drive(controller, cost_on=0.08, cost_off=0.10, blocks=96)
+    assert sum(choices) > 0.75 * len(choices)
+
+
+def test_the_controller_follows_a_change_of_costs():
+    controller = TierController()
+    drive(controller, cost_on=0.08, cost_off=0.10, blocks=48)
+    later = drive(controller, cost_on=0.15, cost_off=0.10, blocks=64)
+    assert sum(later[-32:]) < 8
+    assert [s["slim_tier"] for s in controller.switches][-1] == "off"
+
+
+def test_draft_length_grows_with_acceptance_and_shrinks_on_rejection():
+    length = DraftLength(length=5, maximum=9)
+    length.update(drafted=5, accepted=5)
+    assert length.length == 7
+    length.update(drafted=7, accepted=7)
+    length.update(drafted=9, accepted=9)
+    assert length.length == 9
+    length.update(drafted=9, accepted=2)
+    assert length.length == 8
+    for _ in range(20):
+        length.update(drafted=1, accepted=0)
+    assert length.length == 1
+
+
+@pytest.mark.integration
+def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2():
+    model, tokenizer = zoo("smollm2-135m-instruct")
+    enable_viasd(model)
+    bad = RoutingMask.from_model(model, skip=list(range(2, 14)))  # 40 % of 30 layers: the slim tier is useless
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "List ten fruits, one per line."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    common = dict(max_new_tokens=96, do_sample=False, return_dict_in_generate=True, prompt_lookup_num_tokens=4)
+    adaptive = model.generate(ids, viasd_config=ViaSDConfig.paper(routing_mask=bad), **common).viasd_stats
+    forced = model.generate(ids, viasd_config=ViaSDConfig.paper(routing_mask=bad, adaptive=False), **common).viasd_stats
+    assert adaptive.slim_off_blocks > adaptive.slim_on_blocks
+    assert adaptive.tier_switches and adaptive.tier_switches[0]["slim_tier"] == "off"
+
+    def work_per_token(stats):
+        return (stats.full_forwards + stats.slim_forwards) / stats.new_tokens
+
+    assert work_per_token(forced) > work_per_token(adaptive)

@@ -1,0 +1,84 @@
+"""Online control of the tiers: run the slim tier only while it pays, and size drafts to acceptance.
+
+The slim tier pays when the full passes it saves outweigh its own passes, i.e. when the
+escalation rate stays below the slim pass's saving (DESIGN §1) — and whether it does depends on
+the machine, the mask and the text. So instead of predicting, the controller measures: seconds
+per committed token in blocks with the slim tier and in blocks without it (exponential moving
+averages, drafting included), uses the cheaper regime, and now and then probes the other one
+so a change of text or load is noticed. Every switch is recorded with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Regime:
+    """Measured cost of one regime (slim tier on or off)."""
+
+    seconds_per_token: float | None = None
+    blocks: int = 0
+
+    def observe(self, seconds: float, tokens: int, decay: float) -> None:
+        sample = seconds / max(tokens, 1)
+        self.blocks += 1
+        self.seconds_per_token = sample if self.seconds_per_token is None else (
+            decay * self.seconds_per_token + (1 - decay) * sample
+        )
+
+
+@dataclass
+class TierController:
+    """Chooses, block by block, whether the slim tier runs; probes the other choice every ``probe_every`` blocks."""
+
+    probe_every: int = 16
+    probe_blocks: int = 2
+    warmup_blocks: int = 3
+    decay: float = 0.7
+    on: Regime = field(default_factory=Regime)
+    off: Regime = field(default_factory=Regime)
+    slim_on: bool = True
+    block: int = 0
+    switches: list[dict] = field(default_factory=list)
+
+    def use_slim(self) -> bool:
+        """Whether the next block runs the slim tier."""
+        if self.on.blocks < self.warmup_blocks:
+            return True
+        if self.off.blocks < self.warmup_blocks:
+            return False
+        probing = self.block % self.probe_every < self.probe_blocks
+        return not self.slim_on if probing else self.slim_on
+
+    def observe(self, used_slim: bool, seconds: float, tokens: int) -> None:
+        """Record a finished block and, once both regimes are measured, keep the cheaper one."""
+        (self.on if used_slim else self.off).observe(seconds, tokens, self.decay)
+        self.block += 1
+        if self.on.seconds_per_token is None or self.off.seconds_per_token is None:
+            return
+        better = self.on.seconds_per_token <= self.off.seconds_per_token
+        if better != self.slim_on:
+            self.slim_on = better
+            self.switches.append({
+                "block": self.block,
+                "slim_tier": "on" if better else "off",
+                "reason": (
+                    f"{self.on.seconds_per_token * 1000:.1f} ms/token with the slim tier vs "
+                    f"{self.off.seconds_per_token * 1000:.1f} ms/token without"
+                ),
+            })
+
+
+@dataclass
+class DraftLength:
+    """HF's "heuristic" schedule: grow by 2 after a fully accepted draft, shrink by 1 otherwise."""
+
+    length: int
+    maximum: int
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted and accepted == drafted:
+            self.length = min(self.maximum, self.length + 2)
+        elif drafted:
+            self.length = max(1, self.length - 1)
