@@ -315,3 +315,17 @@ def test_bfloat16_target_and_drafter_run_end_to_end():
     out = viasd(target, prompt(12), ViaSDConfig.paper(routing_mask=RoutingMask.from_model(target, skip=[2])),
                 drafter=assistant, max_new_tokens=16)
     assert out.viasd_stats.new_tokens == 16
+
+
+def test_custom_generate_folder_matches_enable_viasd(pair, masks):
+    from pathlib import Path
+
+    repo_root = Path(__file__).resolve().parents[1]
+    target, assistant = pair
+    config = ViaSDConfig.paper(routing_mask=masks[0], adaptive=False)
+    ids = prompt(13)
+    from_folder = target.generate(ids, custom_generate=str(repo_root), trust_remote_code=True, assistant_model=assistant,
+                                  viasd_config=config, max_new_tokens=20, **GREEDY)
+    enabled = enable_viasd(copy.deepcopy(target))
+    expected = enabled.generate(ids, assistant_model=assistant, viasd_config=config, max_new_tokens=20, **GREEDY)
+    assert torch.equal(from_folder, expected)
