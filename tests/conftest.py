@@ -59,12 +59,12 @@ def tiny_causal_lm(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     return model
 
 
-def tiny_t5(seed: int = 0, dtype: torch.dtype = torch.float32) -> T5ForConditionalGeneration:
+def tiny_t5(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> T5ForConditionalGeneration:
     torch.manual_seed(seed)
-    config = T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=6, num_heads=4,
+    config = T5Config(**dict(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=6, num_decoder_layers=6, num_heads=4,
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-    )
+    ) | overrides)
     config._name_or_path = "tiny-random-t5"
     return T5ForConditionalGeneration(config).to(dtype).eval()
 

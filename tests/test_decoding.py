@@ -246,8 +246,9 @@ def test_clear_errors_for_unsupported_requests(pair, masks):
     with pytest.raises(ValueError, match="shares the target's tokenizer"):
         viasd(target, prompt(0), config, drafter=other_vocab)
     t5 = tiny_t5()
-    with pytest.raises(ValueError, match="encoder-decoder"):
-        t5.generate(prompt(0), custom_generate=viasd_generate, viasd_config=config, max_new_tokens=4)
+    with pytest.raises(ValueError, match="assistant model for an encoder-decoder target"):
+        t5.generate(prompt(0), custom_generate=viasd_generate, viasd_config=ViaSDConfig(), drafter=tiny_t5(seed=1),
+                    max_new_tokens=4)
     with pytest.raises(ValueError, match="tau_accept"):
         ViaSDConfig(tau_accept=0.3, tau_escalate=0.6)
     with pytest.raises(ValueError, match="mode"):

@@ -19,7 +19,8 @@ import viasd_hf.decoding as decoding
 import viasd_hf.sampling as sampling
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
-from viasd_hf.decoding import ViaSDDecoder
+from viasd_hf.cache import new_cache
+from viasd_hf.decoding import DecodingState, ViaSDDecoder
 from viasd_hf.drafters import AssistantDrafter, PromptLookupDrafter
 from viasd_hf.sampling import cascade_target, rejection_step
 
@@ -66,7 +67,8 @@ def run(target, drafter, config, max_new_tokens, seed, prompt_lookup=False) -> l
     decoder = ViaSDDecoder(target, chosen, config, config.routing_mask if config.use_slim else None, processors(),
                            StoppingCriteriaList(), max_length=PROMPT.shape[1] + max_new_tokens, do_sample=True,
                            check_invariants=True)
-    return decoder.run(PROMPT.clone(), None).ids[0, PROMPT.shape[1]:].tolist()
+    state = DecodingState(PROMPT.clone(), new_cache(target.config), full_length=0, prompt_attention_mask=None)
+    return decoder.run(state).ids[0, PROMPT.shape[1]:].tolist()
 
 
 N = 2500

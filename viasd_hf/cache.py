@@ -3,30 +3,43 @@
 The slim pass reads the full model's committed prefix and appends provisional K/V at the
 layers it keeps; those entries are not the full model's and must go again. So every routed
 pass is followed by ``crop_to(cache, committed)``, which restores the invariant that every
-layer holds exactly the tokens the full model has processed.
+self-attention layer holds exactly the tokens the full model has processed. Cross-attention
+K/V (encoder-decoder models) depend only on the encoder output, so every tier shares them as
+they are.
 """
 
 from __future__ import annotations
 
-from transformers import Cache, DynamicCache, PretrainedConfig
+from transformers import Cache, DynamicCache, EncoderDecoderCache, PretrainedConfig
 
 
-def new_cache(config: PretrainedConfig) -> DynamicCache:
-    """A dynamic cache whose sliding-window layers keep their past, so they can be cropped."""
-    cache = DynamicCache(config=config)
-    for layer in cache.layers:
+def new_cache(config: PretrainedConfig, prepared: Cache | None = None) -> Cache:
+    """An empty cache (``generate``'s own when it prepared one) whose sliding layers can be cropped."""
+    if prepared is not None and prepared.get_seq_length() > 0:
+        raise ValueError("VIA-SD starts from the prompt; continuing from a pre-filled cache is not supported")
+    if prepared is not None:
+        cache = prepared
+    elif getattr(config, "is_encoder_decoder", False):
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    else:
+        cache = DynamicCache(config=config)
+    for layer in self_attention_layers(cache):
         if getattr(layer, "is_sliding", False):
             layer.activate_past_recording()
     return cache
 
 
+def self_attention_layers(cache: Cache) -> list:
+    return (cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache).layers
+
+
 def layer_lengths(cache: Cache) -> list[int]:
-    return [layer.get_seq_length() for layer in cache.layers]
+    return [layer.get_seq_length() for layer in self_attention_layers(cache)]
 
 
 def crop_to(cache: Cache, length: int) -> None:
-    """Drop every layer's entries beyond ``length`` tokens (layers may differ after a routed pass)."""
-    for layer in cache.layers:
+    """Drop every self-attention layer's entries beyond ``length`` tokens (layers differ after a routed pass)."""
+    for layer in self_attention_layers(cache):
         extra = layer.get_seq_length() - length
         if extra > 0:
             layer.crop(-extra)

@@ -27,8 +27,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from .adaptive import DraftLength, TierController
-from .architectures import is_encoder_decoder, model_type
-from .cache import crop_to, layer_lengths, new_cache
+from .architectures import model_type
+from .cache import crop_to, layer_lengths
 from .config import ViaSDConfig
 from .drafters import Draft, Drafter
 from .masks import RoutingMask
@@ -50,6 +50,7 @@ class DecodingState:
     full_cache: Any
     full_length: int
     prompt_attention_mask: torch.Tensor | None
+    encoder_kwargs: dict[str, Any] = field(default_factory=dict)
     scores: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -66,6 +67,20 @@ class DecodingState:
         mask = torch.cat([prompt, extension], dim=-1)[:, :total]
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
         return {"attention_mask": mask, "position_ids": positions[:, start:total]}
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor, start: int, cache: Any, keep: int) -> torch.Tensor:
+        """Logits of the last ``keep`` of ``tokens`` (fed at position ``start``), one row per token.
+
+        Decoder-only models compute the LM head for those rows only; an encoder-decoder model
+        reads the encoder output computed once by ``generate``.
+        """
+        if self.encoder_kwargs:
+            output = model(decoder_input_ids=tokens, cache=cache, use_cache=True, **self.encoder_kwargs)
+            return output.logits[0, -keep:]
+        output = model(
+            tokens, cache=cache, use_cache=True, logits_to_keep=keep, **self.position_kwargs(start, tokens.shape[1])
+        )
+        return output.logits[0]
 
     def check_cache(self) -> None:
         lengths = layer_lengths(self.full_cache)
@@ -138,16 +153,8 @@ class ViaSDDecoder:
         Only the last ``len(draft) + 1`` rows go through the LM head: with a 150k vocabulary the head
         is a large share of a pass, and the backlog's predictions are not needed.
         """
-        pending = state.ids.new_tensor([draft.tokens])
-        feed = torch.cat([state.ids[:, state.full_length :], pending], dim=-1)
-        output = self.model(
-            feed,
-            cache=state.full_cache,
-            use_cache=True,
-            logits_to_keep=len(draft.tokens) + 1,
-            **state.position_kwargs(state.full_length, feed.shape[1]),
-        )
-        return output.logits[0]
+        feed = torch.cat([state.ids[:, state.full_length :], state.ids.new_tensor([draft.tokens])], dim=-1)
+        return state.forward(self.model, feed, state.full_length, state.full_cache, keep=len(draft.tokens) + 1)
 
     def slim_pass(self, state: DecodingState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor]:
         """The slim verifier's unscaled probabilities and processed scores for each draft position and one beyond."""
@@ -294,13 +301,7 @@ class ViaSDDecoder:
         """The full model processes the prompt but its last token, which opens the first block."""
         if state.length > 1:
             started = time.perf_counter()
-            self.model(
-                state.ids[:, :-1],
-                cache=state.full_cache,
-                use_cache=True,
-                logits_to_keep=1,
-                **state.position_kwargs(0, state.length - 1),
-            )
+            state.forward(self.model, state.ids[:, :-1], 0, state.full_cache, keep=1)
             self.stats.full_forwards += 1
             self.stats.prefill_forwards += 1
             self.stats.seconds["full"] += time.perf_counter() - started
@@ -334,16 +335,11 @@ class ViaSDDecoder:
         if self.check_invariants:
             state.check_cache()
 
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> DecodingState:
+    def run(self, state: DecodingState) -> DecodingState:
+        """Decode from ``state`` (the prompt, an empty cache) until a stopping criterion or the length limit."""
         started = time.perf_counter()
-        state = DecodingState(
-            ids=input_ids,
-            full_cache=new_cache(self.model.config),
-            full_length=0,
-            prompt_attention_mask=attention_mask,
-        )
         if self.streamer is not None:
-            self.streamer.put(input_ids.cpu())
+            self.streamer.put(state.ids.cpu())
         self.prefill(state)
         while not self.finished:
             self.step(state)
@@ -362,8 +358,6 @@ class ViaSDDecoder:
 def check_supported(model: nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
     """Refuse, with the reason, what this decoder does not do yet."""
     model_type(model)
-    if is_encoder_decoder(model):
-        raise ValueError("VIA-SD decoding of encoder-decoder models is not supported yet; use a decoder-only target")
     if input_ids.shape[0] != 1:
         raise ValueError(
             f"VIA-SD decodes one sequence at a time (like HF assisted generation), got a batch of {input_ids.shape[0]}; "

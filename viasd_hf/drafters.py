@@ -76,7 +76,7 @@ class _ModelDrafter:
         feed = self._pending(state)
         draft = Draft(tokens=[], probs=[])
         while len(draft.tokens) < max_tokens:
-            logits = self._forward(state, feed)[:, -1, :].float()
+            logits = self._forward(state, feed)[-1:].float()
             self.forwards += 1
             scores = self.logits_processor(sequence, logits)
             probs = scores.softmax(-1)[0]
@@ -113,10 +113,7 @@ class AssistantDrafter(_ModelDrafter):
         return state.ids[:, len(self.processed) :]
 
     def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
-        start = len(self.processed)
-        logits = self.model(
-            tokens, cache=self.cache, use_cache=True, logits_to_keep=1, **state.position_kwargs(start, tokens.shape[1])
-        ).logits
+        logits = state.forward(self.model, tokens, len(self.processed), self.cache, keep=1)
         self.processed.extend(tokens[0].tolist())
         return logits
 
@@ -160,13 +157,7 @@ class SelfDrafter(_ModelDrafter):
 
     def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
         with routed(self.model, self.mask):
-            logits = self.model(
-                tokens,
-                cache=state.full_cache,
-                use_cache=True,
-                logits_to_keep=1,
-                **state.position_kwargs(self._fed, tokens.shape[1]),
-            ).logits
+            logits = state.forward(self.model, tokens, self._fed, state.full_cache, keep=1)
         self._fed += tokens.shape[1]
         return logits
 

@@ -22,9 +22,10 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .architectures import base_model, model_config
+from .architectures import base_model, is_encoder_decoder, model_config
+from .cache import new_cache
 from .config import ViaSDConfig
-from .decoding import ViaSDDecoder, check_supported
+from .decoding import DecodingState, ViaSDDecoder, check_supported
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter, SelfDrafter
 from .masks import RoutingMask
 from .stats import ViaSDStats
@@ -75,6 +76,11 @@ def build_drafter(
 ) -> Drafter:
     """Choose the drafter as HF users expect: assistant model, else prompt lookup, else the self-drafter."""
     if assistant_model is not None:
+        if is_encoder_decoder(model):
+            raise ValueError(
+                "an assistant model for an encoder-decoder target is not supported yet; use prompt lookup "
+                "(prompt_lookup_num_tokens=...) or the self-drafter (ViaSDConfig(self_draft_mask=...))"
+            )
         check_same_vocabulary(model, assistant_model)
         return AssistantDrafter(
             assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample
@@ -83,6 +89,15 @@ def build_drafter(
         return PromptLookupDrafter(generation_config.prompt_lookup_num_tokens)
     mask = resolve_mask(config.self_draft_mask, model, "self-drafter")
     return SelfDrafter(model, mask, logits_processor, config.draft_confidence_threshold, generation_config.do_sample)
+
+
+def initial_state(model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> DecodingState:
+    """The prompt and ``generate``'s empty cache; the encoder output too, for encoder-decoder models."""
+    cache = new_cache(model_config(model), model_kwargs.get("cache"))
+    if is_encoder_decoder(model):
+        encoder = {"encoder_outputs": model_kwargs["encoder_outputs"], "attention_mask": model_kwargs.get("attention_mask")}
+        return DecodingState(input_ids, cache, full_length=0, prompt_attention_mask=None, encoder_kwargs=encoder)
+    return DecodingState(input_ids, cache, full_length=0, prompt_attention_mask=model_kwargs.get("attention_mask"))
 
 
 def viasd_generate(
@@ -100,8 +115,6 @@ def viasd_generate(
     """``custom_generate`` callable: VIA-SD decoding with ``drafter`` (an assistant model) or the config's choice."""
     config = viasd_config or ViaSDConfig()
     check_supported(model, input_ids, generation_config)
-    if model_kwargs.get("cache") is not None and model_kwargs["cache"].get_seq_length() > 0:
-        raise ValueError("VIA-SD starts from the prompt; continuing from a pre-filled cache is not supported")
     chosen = build_drafter(model, config, generation_config, logits_processor, drafter)
     slim_mask = None
     if config.use_slim:
@@ -120,7 +133,7 @@ def viasd_generate(
         check_invariants=viasd_check_invariants,
         do_sample=bool(generation_config.do_sample),
     )
-    state = decoder.run(input_ids, model_kwargs.get("attention_mask"))
+    state = decoder.run(initial_state(model, input_ids, model_kwargs))
     if not generation_config.return_dict_in_generate:
         return state.ids
     return ViaSDDecoderOnlyOutput(
