@@ -31,14 +31,15 @@ def _add_speed(subparsers: argparse._SubParsersAction) -> None:
     speed = subparsers.add_parser("speed", help="tokens/s of greedy, HF assisted, two-tier and VIA-SD, side by side")
     speed.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     speed.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
-    speed.add_argument("--mask", help="routing mask folder / JSON (default: --skip)")
-    speed.add_argument("--skip", help="comma-separated layers to skip when no --mask is given")
+    speed.add_argument("--mask", help="routing mask folder / JSON (default: the known mask of the pair, else --skip)")
+    speed.add_argument("--skip", help="comma-separated layers to skip instead of a mask")
     speed.add_argument("--prompts", type=int, default=6, help="how many Spec-Bench prompts (one per category first)")
     speed.add_argument("--max-new-tokens", type=int, default=64)
     speed.add_argument("--dtype", default="bfloat16")
-    speed.add_argument("--methods", help="comma-separated subset of greedy,hf_assisted,two_tier,viasd,viasd_lossless")
+    speed.add_argument("--methods", help="comma-separated subset of greedy,hf_assisted,two_tier,viasd,viasd_static,"
+                       "viasd_lossless")
     speed.add_argument("--gamma", type=int, default=5, help="draft tokens per block for the VIA-SD variants")
-    speed.add_argument("--draft-threshold", type=float, help="stop drafting below this drafter confidence")
+    speed.add_argument("--draft-threshold", type=float, default=0.4, help="stop drafting below this drafter confidence")
     speed.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     speed.add_argument("--json", help="write the summary here")
     speed.set_defaults(handler=_run_speed)
@@ -47,12 +48,12 @@ def _add_speed(subparsers: argparse._SubParsersAction) -> None:
 def _run_speed(args: argparse.Namespace) -> int:
     import json
 
-    from .demo import light_middle_mask
+    import torch
+
+    from .demo import demo_mask
     from .masks import RoutingMask
     from .models import load_pretrained
     from .speed import compare_speed, load_prompts, markdown
-
-    import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,8 +61,10 @@ def _run_speed(args: argparse.Namespace) -> int:
     drafter, _ = load_pretrained(args.drafter, dtype=args.dtype)
     if args.mask:
         mask = RoutingMask.from_pretrained(args.mask)
+    elif not args.skip:
+        mask, _ = demo_mask(target, args.target, args.drafter)
     else:
-        skip = [int(layer) for layer in args.skip.split(",")] if args.skip else light_middle_mask(target)
+        skip = [int(layer) for layer in args.skip.split(",")]
         mask = RoutingMask.from_model(target, skip=skip, drafter_id=args.drafter)
     prompts = load_prompts(limit=args.prompts, per_category=1)
     methods = args.methods.split(",") if args.methods else None

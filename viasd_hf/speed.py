@@ -49,6 +49,8 @@ class MethodResult:
                 "mean_accepted": new / full_calls if full_calls else float(new),
                 "escalated_blocks": sum(s["escalated_blocks"] for s in self.stats),
                 "slim_committed_tokens": sum(s["slim_committed_tokens"] for s in self.stats),
+                "slim_on_blocks": sum(s["slim_on_blocks"] for s in self.stats),
+                "slim_off_blocks": sum(s["slim_off_blocks"] for s in self.stats),
             }
         return row
 
@@ -79,6 +81,7 @@ def method_table(
     configs = {
         "two_tier": ViaSDConfig(use_slim=False, **drafting),
         "viasd": ViaSDConfig.paper(routing_mask=mask, **drafting),
+        "viasd_static": ViaSDConfig.paper(routing_mask=mask, adaptive=False, **drafting),
         "viasd_lossless": ViaSDConfig(routing_mask=mask, mode="lossless", **drafting),
     }
 
