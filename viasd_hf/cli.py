@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .dimr import add_search_command
 from .hub import add_hub_commands
 
 
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(subparsers)
     _add_speed(subparsers)
     _add_profile(subparsers)
+    add_search_command(subparsers)
     add_hub_commands(subparsers)
     return parser
 
