@@ -124,3 +124,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("near-tie exceptions (lossless greedy vs generate)")
         for line in NEAR_TIE_REPORT:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def single_thread():
+    """Tiny models run fastest on one thread (the OpenMP fork/join costs more than the matmuls)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

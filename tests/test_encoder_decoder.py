@@ -16,6 +16,9 @@ from viasd_hf.drafters import SelfDrafter
 from viasd_hf.generation import initial_state
 
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
 @pytest.fixture(scope="module")
 def t5():
     model = enable_viasd(tiny_t5(seed=0, dtype=torch.float64))

@@ -37,6 +37,9 @@ def processors() -> LogitsProcessorList:
     return LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
 
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
 @pytest.fixture(scope="module")
 def models():
     target = tiny_causal_lm("llama", seed=0, dtype=torch.float64, vocab_size=VOCAB)

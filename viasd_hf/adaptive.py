@@ -6,11 +6,17 @@ the machine, the mask and the text. So instead of predicting, the controller mea
 per committed token in blocks with the slim tier and in blocks without it (exponential moving
 averages, drafting included), uses the cheaper regime, and now and then probes the other one
 so a change of text or load is noticed. Every switch is recorded with its reason.
+
+Measurements persist across ``generate`` calls on the same model, mask and drafter (as HF keeps
+its assistant's confidence threshold), so short generations do not pay the warm-up every time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from weakref import WeakKeyDictionary
+
+from torch import nn
 
 
 @dataclass
@@ -82,3 +88,12 @@ class DraftLength:
             self.length = min(self.maximum, self.length + 2)
         elif drafted:
             self.length = max(1, self.length - 1)
+
+
+_CONTROLLERS: WeakKeyDictionary[nn.Module, dict[tuple, TierController]] = WeakKeyDictionary()
+
+
+def controller_for(model: nn.Module, key: tuple) -> TierController:
+    """The controller that has been measuring this model with this mask, drafter and mode (new if none)."""
+    per_model = _CONTROLLERS.setdefault(model, {})
+    return per_model.setdefault(key, TierController())

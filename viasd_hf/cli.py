@@ -34,7 +34,8 @@ def _add_speed(subparsers: argparse._SubParsersAction) -> None:
     speed.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
     speed.add_argument("--mask", help="routing mask folder / JSON (default: the known mask of the pair, else --skip)")
     speed.add_argument("--skip", help="comma-separated layers to skip instead of a mask")
-    speed.add_argument("--prompts", type=int, default=6, help="how many Spec-Bench prompts (one per category first)")
+    speed.add_argument("--prompts", type=int, default=6, help="how many Spec-Bench prompts")
+    speed.add_argument("--per-category", type=int, default=1, help="prompts taken from each Spec-Bench category")
     speed.add_argument("--max-new-tokens", type=int, default=64)
     speed.add_argument("--dtype", default="bfloat16")
     speed.add_argument("--methods", help="comma-separated subset of greedy,hf_assisted,two_tier,viasd,viasd_static,"
@@ -42,6 +43,7 @@ def _add_speed(subparsers: argparse._SubParsersAction) -> None:
     speed.add_argument("--gamma", type=int, default=5, help="draft tokens per block for the VIA-SD variants")
     speed.add_argument("--draft-threshold", type=float, default=0.4, help="stop drafting below this drafter confidence")
     speed.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    speed.add_argument("--temperature", type=float, help="sample at this temperature (every method) instead of greedy")
     speed.add_argument("--json", help="write the summary here")
     speed.set_defaults(handler=_run_speed)
 
@@ -54,7 +56,7 @@ def _run_speed(args: argparse.Namespace) -> int:
     from .demo import demo_mask
     from .masks import RoutingMask
     from .models import load_pretrained
-    from .speed import compare_speed, load_prompts, markdown
+    from .speed import compare_speed, load_categorised_prompts, markdown
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,10 +69,13 @@ def _run_speed(args: argparse.Namespace) -> int:
     else:
         skip = [int(layer) for layer in args.skip.split(",")]
         mask = RoutingMask.from_model(target, skip=skip, drafter_id=args.drafter)
-    prompts = load_prompts(limit=args.prompts, per_category=1)
+    categories, prompts = zip(*load_categorised_prompts(limit=args.prompts, per_category=args.per_category))
     methods = args.methods.split(",") if args.methods else None
     drafting = {"num_draft_tokens": args.gamma, "draft_confidence_threshold": args.draft_threshold}
-    summary = compare_speed(target, tokenizer, drafter, mask, prompts, args.max_new_tokens, methods, drafting)
+    summary = compare_speed(
+        target, tokenizer, drafter, mask, list(prompts), args.max_new_tokens, methods, drafting, args.temperature,
+        list(categories),
+    )
     print(markdown(summary))
     if args.json:
         with open(args.json, "w") as handle:

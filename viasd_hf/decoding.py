@@ -30,7 +30,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .adaptive import DraftLength, TierController
+from .adaptive import DraftLength, controller_for
 from .architectures import model_type
 from .cache import crop_to, layer_lengths
 from .config import ViaSDConfig
@@ -136,7 +136,12 @@ class ViaSDDecoder:
         self.check_invariants = check_invariants
         self.do_sample = do_sample
         self.stats = ViaSDStats()
-        self.controller = TierController() if config.adaptive and slim_mask is not None else None
+        self.controller = None
+        if config.adaptive and slim_mask is not None:
+            drafter_identity = (drafter.name, id(getattr(drafter, "model", None)))
+            key = (tuple(slim_mask.kept_layers), drafter_identity, config.mode, config.tau_accept, config.tau_escalate)
+            self.controller = controller_for(model, key)
+        self._first_switch = len(self.controller.switches) if self.controller is not None else 0
         longest = min(3 * config.num_draft_tokens, config.max_slim_backlog - 1)
         self.draft_length = DraftLength(config.num_draft_tokens, longest if config.adaptive else config.num_draft_tokens)
         self.finished = False
@@ -342,6 +347,8 @@ class ViaSDDecoder:
             self.draft_length.update(len(draft.tokens), self.stats.accepted_tokens - accepted_before)
         if self.controller is not None:
             self.controller.observe(wants_slim, time.perf_counter() - started, len(tokens))
+            self.stats.slim_on_blocks += int(wants_slim)
+            self.stats.slim_off_blocks += int(not wants_slim)
         if self.check_invariants:
             state.check_cache()
 
@@ -356,9 +363,7 @@ class ViaSDDecoder:
         if self.streamer is not None:
             self.streamer.end()
         if self.controller is not None:
-            self.stats.slim_on_blocks = self.controller.on.blocks
-            self.stats.slim_off_blocks = self.controller.off.blocks
-            self.stats.tier_switches = self.controller.switches
+            self.stats.tier_switches = self.controller.switches[self._first_switch :]
         self.stats.drafter_forwards = self.drafter.forwards
         self.stats.seconds["drafter"] = self.drafter.seconds
         self.stats.seconds["total"] = time.perf_counter() - started

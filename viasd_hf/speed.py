@@ -1,5 +1,7 @@
 """Side-by-side decoding speed: every method on the same prompts, interleaved, in one process.
 
+The first method is the reference (plain ``generate``: greedy, or sampling with ``temperature``).
+
 Ratios to plain greedy are only meaningful when measured in the same run (machine load moves
 absolute tokens/s by ±15 % here, DESIGN §9), so methods alternate prompt by prompt after a
 warm-up, and each ratio is the median over prompts of (method tokens/s) / (greedy tokens/s).
@@ -57,6 +59,13 @@ class MethodResult:
 
 def load_prompts(path: Path = SPEC_BENCH, limit: int = 4, per_category: int | None = None) -> list[str]:
     """First-turn prompts, ``per_category`` from each Spec-Bench category (or simply the first ``limit``)."""
+    return [text for _, text in load_categorised_prompts(path, limit, per_category)]
+
+
+def load_categorised_prompts(
+    path: Path = SPEC_BENCH, limit: int = 4, per_category: int | None = None
+) -> list[tuple[str, str]]:
+    """``(category, first-turn prompt)`` pairs, ``per_category`` from each category."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if per_category:
         seen: dict[str, int] = {}
@@ -67,7 +76,7 @@ def load_prompts(path: Path = SPEC_BENCH, limit: int = 4, per_category: int | No
                 seen[category] = seen.get(category, 0) + 1
                 picked.append(row)
         rows = picked
-    return [row["turns"][0] if "turns" in row else row["prompt"] for row in rows[:limit]]
+    return [(row.get("category", "all"), row["turns"][0] if "turns" in row else row["prompt"]) for row in rows[:limit]]
 
 
 def method_table(
@@ -104,8 +113,13 @@ def compare_speed(
     max_new_tokens: int = 64,
     methods: list[str] | None = None,
     drafting: dict[str, Any] | None = None,
+    temperature: float | None = None,
+    categories: list[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    common = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_dict_in_generate": True}
+    """Methods side by side; greedy unless ``temperature`` is given (then every method samples, seeded alike)."""
+    common: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_dict_in_generate": True}
+    if temperature is not None:
+        common |= {"do_sample": True, "temperature": temperature}
     table = method_table(target, drafter, mask, common, drafting or {})
     chosen = {name: table[name] for name in (methods or list(table))}
     results = {name: MethodResult() for name in chosen}
@@ -122,6 +136,7 @@ def compare_speed(
             order = order[index % len(order) :] + order[: index % len(order)]
             speeds = {}
             for name, generate in order:
+                torch.manual_seed(index)
                 started = time.perf_counter()
                 out = generate(ids)
                 seconds = time.perf_counter() - started
@@ -137,7 +152,19 @@ def compare_speed(
     summary = {name: result.summary() for name, result in results.items()}
     for name, result in results.items():
         summary[name]["greedy_agreement"] = _agreement(result.sequences, results["greedy"].sequences)
+        if categories and result.stats:
+            summary[name]["slim_share_by_category"] = _slim_share_by_category(result.stats, categories)
     return summary
+
+
+def _slim_share_by_category(stats: list[dict[str, Any]], categories: list[str]) -> dict[str, float]:
+    """Fraction of blocks in which the adaptive controller ran the slim tier, per prompt category."""
+    on: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for category, row in zip(categories, stats):
+        on[category] = on.get(category, 0) + row["slim_on_blocks"]
+        total[category] = total.get(category, 0) + row["slim_on_blocks"] + row["slim_off_blocks"]
+    return {category: on[category] / total[category] for category in total if total[category]}
 
 
 def _agreement(sequences: list[list[int]], reference: list[list[int]]) -> float:
