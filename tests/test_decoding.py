@@ -62,7 +62,8 @@ def test_lossless_greedy_equals_generate_for_every_drafter(pair, masks, seed, dr
     slim, heavy = masks
     ids = repetitive_prompt(seed) if drafter_kind == "prompt_lookup" else prompt(seed)
     expected = target.generate(ids, max_new_tokens=24, **GREEDY)
-    config = ViaSDConfig(routing_mask=slim, self_draft_mask=heavy, mode="lossless", tau_accept=0.9, tau_escalate=0.2)
+    config = ViaSDConfig(routing_mask=slim, self_draft_mask=heavy, mode="lossless", tau_accept=0.9, tau_escalate=0.2,
+                         adaptive=False)
     extra = {"assistant_model": assistant} if drafter_kind == "assistant" else {}
     extra |= {"prompt_lookup_num_tokens": 4} if drafter_kind == "prompt_lookup" else {}
     if "assistant_model" in extra:
