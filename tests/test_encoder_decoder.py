@@ -50,6 +50,7 @@ def test_t5_tiered_runs_and_counts_add_up(t5):
     out = model.generate(source(9), max_new_tokens=20, do_sample=False, return_dict_in_generate=True,
                          viasd_check_invariants=True,
                          viasd_config=ViaSDConfig.paper(routing_mask=slim, self_draft_mask=heavy, adaptive=False))
+    assert type(out).__name__ == "ViaSDEncoderDecoderOutput"
     stats = out.viasd_stats
     assert stats.new_tokens == 20 == stats.accepted_tokens + stats.slim_tokens + stats.full_tokens
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from .architectures import base_model, is_encoder_decoder, model_config
 from .cache import new_cache
@@ -34,6 +34,13 @@ from .stats import ViaSDStats
 @dataclass
 class ViaSDDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     """``generate``'s usual output plus what each VIA-SD tier did."""
+
+    viasd_stats: ViaSDStats | None = None
+
+
+@dataclass
+class ViaSDEncoderDecoderOutput(GenerateEncoderDecoderOutput):
+    """``generate``'s usual encoder-decoder output plus what each VIA-SD tier did."""
 
     viasd_stats: ViaSDStats | None = None
 
@@ -111,7 +118,7 @@ def viasd_generate(
     viasd_streamer: Any = None,
     viasd_check_invariants: bool = False,
     **model_kwargs: Any,
-) -> torch.Tensor | ViaSDDecoderOnlyOutput:
+) -> torch.Tensor | ViaSDDecoderOnlyOutput | ViaSDEncoderDecoderOutput:
     """``custom_generate`` callable: VIA-SD decoding with ``drafter`` (an assistant model) or the config's choice."""
     config = viasd_config or ViaSDConfig()
     check_supported(model, input_ids, generation_config)
@@ -136,9 +143,10 @@ def viasd_generate(
     state = decoder.run(initial_state(model, input_ids, model_kwargs))
     if not generation_config.return_dict_in_generate:
         return state.ids
-    return ViaSDDecoderOnlyOutput(
-        sequences=state.ids, scores=tuple(state.scores) if keep_scores else None, viasd_stats=decoder.stats
-    )
+    scores = tuple(state.scores) if keep_scores else None
+    if is_encoder_decoder(model):
+        return ViaSDEncoderDecoderOutput(sequences=state.ids, scores=scores, viasd_stats=decoder.stats)
+    return ViaSDDecoderOnlyOutput(sequences=state.ids, scores=scores, viasd_stats=decoder.stats)
 
 
 class ViaSDGenerationMixin:
