@@ -74,3 +74,22 @@ def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2():
         return (stats.full_forwards + stats.slim_forwards) / stats.new_tokens
 
     assert work_per_token(forced) > work_per_token(adaptive)
+
+
+def test_a_mask_predicted_not_to_pay_starts_off_and_noise_does_not_flip_it():
+    controller = TierController(slim_on=False)
+    choices = drive(controller, cost_on=0.102, cost_off=0.100, blocks=64)
+    assert not controller.switches, "a 2 % difference is within the switching margin"
+    assert sum(choices[6:]) <= 2 * (64 // 16)
+
+
+def test_offline_prediction_comes_from_the_mask_metadata():
+    from conftest import tiny_causal_lm
+    from viasd_hf.adaptive import predicted_to_pay
+
+    mask = RoutingMask.from_model(tiny_causal_lm("llama"), skip=[2])
+    assert predicted_to_pay(mask)
+    mask.metadata["insertion"] = {"delta": -0.05}
+    assert not predicted_to_pay(mask)
+    mask.metadata = {"predicted_speedup": 1.2, "insertion": {"delta": 0.1}}
+    assert predicted_to_pay(mask)

@@ -9,6 +9,8 @@ so a change of text or load is noticed. Every switch is recorded with its reason
 
 Measurements persist across ``generate`` calls on the same model, mask and drafter (as HF keeps
 its assistant's confidence threshold), so short generations do not pay the warm-up every time.
+The starting choice is the mask's own offline prediction (DIMR's insertion criterion), and a
+switch needs a clear margin, so measurement noise does not flip a good choice.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
 from torch import nn
+
+from .masks import RoutingMask
 
 
 @dataclass
@@ -38,13 +42,14 @@ class Regime:
 class TierController:
     """Chooses, block by block, whether the slim tier runs; probes the other choice every ``probe_every`` blocks."""
 
+    slim_on: bool = True  # the starting choice: the offline prediction of the mask, when it has one
     probe_every: int = 16
     probe_blocks: int = 2
     warmup_blocks: int = 3
     decay: float = 0.7
+    margin: float = 0.05  # switch only to a regime that is cheaper by more than this fraction (no flapping on noise)
     on: Regime = field(default_factory=Regime)
     off: Regime = field(default_factory=Regime)
-    slim_on: bool = True
     block: int = 0
     switches: list[dict] = field(default_factory=list)
 
@@ -58,17 +63,17 @@ class TierController:
         return not self.slim_on if probing else self.slim_on
 
     def observe(self, used_slim: bool, seconds: float, tokens: int) -> None:
-        """Record a finished block and, once both regimes are measured, keep the cheaper one."""
+        """Record a finished block and, once both regimes are measured, switch if the other is clearly cheaper."""
         (self.on if used_slim else self.off).observe(seconds, tokens, self.decay)
         self.block += 1
         if self.on.seconds_per_token is None or self.off.seconds_per_token is None:
             return
-        better = self.on.seconds_per_token <= self.off.seconds_per_token
-        if better != self.slim_on:
-            self.slim_on = better
+        current, other = (self.on, self.off) if self.slim_on else (self.off, self.on)
+        if other.seconds_per_token < (1 - self.margin) * current.seconds_per_token:
+            self.slim_on = not self.slim_on
             self.switches.append({
                 "block": self.block,
-                "slim_tier": "on" if better else "off",
+                "slim_tier": "on" if self.slim_on else "off",
                 "reason": (
                     f"{self.on.seconds_per_token * 1000:.1f} ms/token with the slim tier vs "
                     f"{self.off.seconds_per_token * 1000:.1f} ms/token without"
@@ -93,7 +98,20 @@ class DraftLength:
 _CONTROLLERS: WeakKeyDictionary[nn.Module, dict[tuple, TierController]] = WeakKeyDictionary()
 
 
-def controller_for(model: nn.Module, key: tuple) -> TierController:
-    """The controller that has been measuring this model with this mask, drafter and mode (new if none)."""
+def predicted_to_pay(mask: RoutingMask) -> bool:
+    """Whether the mask's DIMR search predicted the slim tier to pay (insertion criterion Δ > 0 and a
+    predicted speed-up above 1); masks without that record are given the benefit of the doubt."""
+    delta = mask.metadata.get("insertion", {}).get("delta")
+    speedup = mask.metadata.get("predicted_speedup")
+    return not ((delta is not None and delta <= 0) or (speedup is not None and speedup < 1))
+
+
+def controller_for(model: nn.Module, mask: RoutingMask, key: tuple) -> TierController:
+    """The controller that has been measuring this model with this mask, drafter and mode (new if none).
+
+    A new controller starts from the mask's offline prediction; measurements then decide.
+    """
     per_model = _CONTROLLERS.setdefault(model, {})
-    return per_model.setdefault(key, TierController())
+    if key not in per_model:
+        per_model[key] = TierController(slim_on=predicted_to_pay(mask))
+    return per_model[key]

@@ -140,7 +140,7 @@ class ViaSDDecoder:
         if config.adaptive and slim_mask is not None:
             drafter_identity = (drafter.name, id(getattr(drafter, "model", None)))
             key = (tuple(slim_mask.kept_layers), drafter_identity, config.mode, config.tau_accept, config.tau_escalate)
-            self.controller = controller_for(model, key)
+            self.controller = controller_for(model, slim_mask, key)
         self._first_switch = len(self.controller.switches) if self.controller is not None else 0
         longest = min(3 * config.num_draft_tokens, config.max_slim_backlog - 1)
         self.draft_length = DraftLength(config.num_draft_tokens, longest if config.adaptive else config.num_draft_tokens)
