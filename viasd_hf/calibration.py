@@ -35,7 +35,8 @@ from .models import viasd_home
 from .routing import routed
 
 SPEC_BENCH_ENV = "VIASD_SPEC_BENCH"
-SPEC_BENCH_DEFAULT = Path("/work/shared/data/spec_bench/question.jsonl")
+# The project's evaluation data lives in ``shared/`` beside the repository (as CI lays it out).
+SPEC_BENCH_DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 CACHE_FORMAT = 1
 REFERENCE_BYTES = 1 << 30  # keep full-vocabulary log q in float32 up to this size, else float16
 

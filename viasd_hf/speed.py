@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .calibration import spec_bench_path
 from .config import ViaSDConfig
 from .generation import enable_viasd
 from .masks import RoutingMask
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 @dataclass
@@ -57,16 +57,16 @@ class MethodResult:
         return row
 
 
-def load_prompts(path: Path = SPEC_BENCH, limit: int = 4, per_category: int | None = None) -> list[str]:
+def load_prompts(path: Path | None = None, limit: int = 4, per_category: int | None = None) -> list[str]:
     """First-turn prompts, ``per_category`` from each Spec-Bench category (or simply the first ``limit``)."""
     return [text for _, text in load_categorised_prompts(path, limit, per_category)]
 
 
 def load_categorised_prompts(
-    path: Path = SPEC_BENCH, limit: int = 4, per_category: int | None = None
+    path: Path | None = None, limit: int = 4, per_category: int | None = None
 ) -> list[tuple[str, str]]:
-    """``(category, first-turn prompt)`` pairs, ``per_category`` from each category."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """``(category, first-turn prompt)`` pairs, ``per_category`` from each category (Spec-Bench by default)."""
+    rows = [json.loads(line) for line in (path or spec_bench_path()).read_text().splitlines() if line.strip()]
     if per_category:
         seen: dict[str, int] = {}
         picked = []
