@@ -93,3 +93,26 @@ def test_offline_prediction_comes_from_the_mask_metadata():
     assert not predicted_to_pay(mask)
     mask.metadata = {"predicted_speedup": 1.2, "insertion": {"delta": 0.1}}
     assert predicted_to_pay(mask)
+
+
+def test_probing_a_losing_slim_tier_costs_almost_nothing_in_the_long_run():
+    """Probes back off while they confirm the choice, so adaptive decoding approaches plain two-tier cost."""
+    controller = TierController(slim_on=False)
+    blocks = 2000
+    choices = drive(controller, cost_on=0.12, cost_off=0.10, blocks=blocks)
+    seconds = sum(0.12 if slim else 0.10 for slim in choices)
+    assert sum(choices) < 0.02 * blocks
+    assert seconds < 1.005 * 0.10 * blocks
+    assert controller.probe_interval == controller.max_probe_every
+
+
+def test_a_slim_tier_that_starts_paying_is_found_within_the_longest_probe_interval():
+    controller = TierController(slim_on=False)
+    drive(controller, cost_on=0.12, cost_off=0.10, blocks=600)
+    later = drive(controller, cost_on=0.06, cost_off=0.10, blocks=300)
+    assert controller.slim_on
+    assert controller.switches[-1]["slim_tier"] == "on"
+    switched_at = controller.switches[-1]["block"] - 600
+    assert switched_at <= controller.max_probe_every + controller.probe_blocks
+    assert later[switched_at : switched_at + controller.probe_every].count(False) == 0
+    assert sum(later[-100:]) > 95

@@ -85,6 +85,31 @@ def test_two_tier_equals_hf_assisted_generation(pair, seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_cascade_without_lenience_is_plain_speculative_decoding(pair, seed):
+    target, assistant = pair
+    ids = prompt(seed)
+    expected = target.generate(ids, max_new_tokens=24, **GREEDY)
+    out = viasd(target, ids, ViaSDConfig(use_slim=False, cascade_lenience=0.0), drafter=assistant)
+    assert torch.equal(out.sequences, expected)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cascade_keeps_only_tokens_within_its_lenience(seed):
+    """Every committed token is the full model's argmax or within a factor 1 − α of it, and some are not the argmax."""
+    target = tiny_causal_lm("llama", seed=0, dtype=torch.float64)
+    assistant = tiny_causal_lm("llama", seed=seed + 10, dtype=torch.float64, num_hidden_layers=2)
+    ids = prompt(seed)
+    out = viasd(target, ids, ViaSDConfig(use_slim=False, cascade_lenience=0.5), drafter=assistant)
+    with torch.no_grad():
+        probs = target(out.sequences).logits[0, ids.shape[1] - 1 : -1].softmax(-1)
+    committed = out.sequences[0, ids.shape[1] :]
+    ratios = probs.gather(-1, committed[:, None])[:, 0] / probs.max(-1).values
+    assert bool((ratios > 0.5 - 1e-9).all())
+    assert bool((ratios < 1).any()), "the lenient rule must have kept some non-argmax draft"
+    assert out.viasd_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_tiered_with_unit_thresholds_equals_lossless(pair, masks, seed):
     target, assistant = pair
     ids = prompt(seed)

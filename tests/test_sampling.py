@@ -95,15 +95,18 @@ def test_lossless_sampling_with_prompt_lookup_matches_the_target(models):
 
 
 def test_the_tv_bound_catches_a_wrong_residual(models, monkeypatch):
-    monkeypatch.setattr(decoding, "rejection_step", lambda token, proposal, target: (
-        None if torch.rand(()) * proposal[token] < target[token] else sampling.sample(target)))
+    def resample_from_target(token, proposal, target):
+        return None if torch.rand(()) * proposal[token] < target[token] else sampling.sample(target)
+
+    monkeypatch.setattr(decoding, "rejection_step", resample_from_target)
+    monkeypatch.setattr(sampling, "rejection_step", resample_from_target)
     config = ViaSDConfig(routing_mask=models[2], mode="lossless", tau_accept=0.5)
     assert two_token_tv(models, config) > 0.07
 
 
 def test_the_tv_bound_catches_a_wrong_proposal(models, monkeypatch):
     monkeypatch.setattr(decoding.ViaSDDecoder, "repaired_by_slim", lambda self, state, draft: draft)
-    monkeypatch.setattr(decoding, "cascade_target", lambda p, q, unscaled, tau: q)
+    monkeypatch.setattr(sampling, "cascade_target", lambda p, q, unscaled, tau: q)
     original = decoding.ViaSDDecoder.verify_with_full_model
 
     def verify_against_slim(self, state, draft):
@@ -124,6 +127,20 @@ def test_tiered_sampling_commits_the_cascade_mixture(models):
     with torch.no_grad(), routed(target, mask):
         unscaled = target(PROMPT, use_cache=False).logits[0, -1].double().softmax(-1)
     mixture = cascade_target(next_probs(drafter, PROMPT), next_probs(target, PROMPT, mask), unscaled, 0.6)
+    exact = {v: mixture[v].item() for v in range(VOCAB)}
+    assert total_variation(first, exact, N) < 0.05
+    full = {v: p.item() for v, p in enumerate(next_probs(target, PROMPT))}
+    assert total_variation(Counter({v: exact[v] * N for v in exact}), full, N) > 0.05, "the mixture must differ from q"
+
+
+def test_cascade_sampling_commits_the_mixture_of_drafter_and_full_model(models):
+    """The two-model cascade baseline: π built from the drafter and the *full* model at lenience α."""
+    target, drafter, _ = models
+    config = ViaSDConfig(use_slim=False, cascade_lenience=0.4)
+    first = Counter(run(target, drafter, config, 2, seed)[0] for seed in range(N))
+    with torch.no_grad():
+        unscaled = target(PROMPT, use_cache=False).logits[0, -1].double().softmax(-1)
+    mixture = cascade_target(next_probs(drafter, PROMPT), next_probs(target, PROMPT), unscaled, 0.6)
     exact = {v: mixture[v].item() for v in range(VOCAB)}
     assert total_variation(first, exact, N) < 0.05
     full = {v: p.item() for v, p in enumerate(next_probs(target, PROMPT))}

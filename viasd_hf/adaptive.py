@@ -7,6 +7,11 @@ per committed token in blocks with the slim tier and in blocks without it (expon
 averages, drafting included), uses the cheaper regime, and now and then probes the other one
 so a change of text or load is noticed. Every switch is recorded with its reason.
 
+A probe of the losing regime costs time, so the interval between probes doubles each time a
+probe confirms the current choice (up to ``max_probe_every``) and resets on a switch: the
+price of staying alert tends to nothing while the choice stays right, which is what "never
+slower than plain two-tier decoding" needs when the slim tier does not pay.
+
 Measurements persist across ``generate`` calls on the same model, mask and drafter (as HF keeps
 its assistant's confidence threshold), so short generations do not pay the warm-up every time.
 The starting choice is the mask's own offline prediction (DIMR's insertion criterion), and a
@@ -40,10 +45,11 @@ class Regime:
 
 @dataclass
 class TierController:
-    """Chooses, block by block, whether the slim tier runs; probes the other choice every ``probe_every`` blocks."""
+    """Chooses, block by block, whether the slim tier runs; probes the other choice with a backing-off interval."""
 
     slim_on: bool = True  # the starting choice: the offline prediction of the mask, when it has one
-    probe_every: int = 16
+    probe_every: int = 16  # blocks between probes after a switch; doubles while probes confirm the choice
+    max_probe_every: int = 128
     probe_blocks: int = 2
     warmup_blocks: int = 3
     decay: float = 0.7
@@ -52,6 +58,12 @@ class TierController:
     off: Regime = field(default_factory=Regime)
     block: int = 0
     switches: list[dict] = field(default_factory=list)
+    probe_interval: int = 0  # current blocks between probes (0: not started)
+    next_probe: int = 0  # block at which the next probe starts
+
+    def __post_init__(self) -> None:
+        self.probe_interval = self.probe_interval or self.probe_every
+        self.next_probe = self.next_probe or self.probe_every
 
     def use_slim(self) -> bool:
         """Whether the next block runs the slim tier."""
@@ -59,8 +71,10 @@ class TierController:
             return True
         if self.off.blocks < self.warmup_blocks:
             return False
-        probing = self.block % self.probe_every < self.probe_blocks
-        return not self.slim_on if probing else self.slim_on
+        return not self.slim_on if self._probing() else self.slim_on
+
+    def _probing(self) -> bool:
+        return self.next_probe <= self.block < self.next_probe + self.probe_blocks
 
     def observe(self, used_slim: bool, seconds: float, tokens: int) -> None:
         """Record a finished block and, once both regimes are measured, switch if the other is clearly cheaper."""
@@ -70,15 +84,27 @@ class TierController:
             return
         current, other = (self.on, self.off) if self.slim_on else (self.off, self.on)
         if other.seconds_per_token < (1 - self.margin) * current.seconds_per_token:
-            self.slim_on = not self.slim_on
-            self.switches.append({
-                "block": self.block,
-                "slim_tier": "on" if self.slim_on else "off",
-                "reason": (
-                    f"{self.on.seconds_per_token * 1000:.1f} ms/token with the slim tier vs "
-                    f"{self.off.seconds_per_token * 1000:.1f} ms/token without"
-                ),
-            })
+            self._switch()
+        elif self.block == self.next_probe + self.probe_blocks:
+            self._back_off()
+
+    def _back_off(self) -> None:
+        """A probe confirmed the current choice: wait twice as long before the next one."""
+        self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
+        self.next_probe = self.block + self.probe_interval
+
+    def _switch(self) -> None:
+        self.slim_on = not self.slim_on
+        self.probe_interval = self.probe_every
+        self.next_probe = self.block + self.probe_interval
+        self.switches.append({
+            "block": self.block,
+            "slim_tier": "on" if self.slim_on else "off",
+            "reason": (
+                f"{self.on.seconds_per_token * 1000:.1f} ms/token with the slim tier vs "
+                f"{self.off.seconds_per_token * 1000:.1f} ms/token without"
+            ),
+        })
 
 
 @dataclass

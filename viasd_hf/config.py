@@ -22,6 +22,11 @@ class ViaSDConfig:
     ``r > tau_accept``, regenerate with the slim verifier when ``tau_escalate < r <= tau_accept``,
     escalate to the full model when ``r <= tau_escalate``. Ties go to the more authoritative tier,
     so ``tau_accept = tau_escalate = 1.0`` hands every decision to the full model.
+
+    ``cascade_lenience`` turns the full model's own verification into a speculative cascade
+    (Narasimhan et al., "Faster Cascades via Speculative Decoding", token-specific deferral):
+    a draft the full model finds within a factor ``1 − α`` of its favourite is kept. With
+    ``use_slim=False`` this is the two-model cascade baseline ``viasd bench`` compares against.
     """
 
     num_draft_tokens: int = 5
@@ -35,6 +40,7 @@ class ViaSDConfig:
     mode: str = "tiered"
     adaptive: bool = True  # slim tier only while it pays (measured online); draft length follows acceptance
     max_slim_backlog: int = 16  # tokens committed on the slim tier's authority before the full model must catch up
+    cascade_lenience: float | None = None  # α: the full model keeps a draft d when q(d) > (1 − α)·max q (lossy)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -53,6 +59,11 @@ class ViaSDConfig:
                 f"tau_accept ({self.tau_accept}) must be >= tau_escalate ({self.tau_escalate}): the slim verifier "
                 "accepts above tau_accept, regenerates between the two and escalates below tau_escalate"
             )
+        if self.cascade_lenience is not None:
+            if not 0.0 <= self.cascade_lenience < 1.0:
+                raise ValueError(f"cascade_lenience must lie in [0, 1), got {self.cascade_lenience}")
+            if self.mode == "lossless":
+                raise ValueError("cascade_lenience makes verification lossy; use mode='tiered' or cascade_lenience=None")
         if self.max_slim_backlog <= self.num_draft_tokens:
             raise ValueError(
                 f"max_slim_backlog ({self.max_slim_backlog}) must exceed num_draft_tokens ({self.num_draft_tokens}): "

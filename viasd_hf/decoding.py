@@ -37,9 +37,9 @@ from .config import ViaSDConfig
 from .drafters import Draft, Drafter
 from .masks import RoutingMask
 from .routing import routed
-from .sampling import cascade_target, one_hot, rejection_step, sample
+from .sampling import cascade_step, one_hot, rejection_step, sample
 from .stats import ViaSDStats
-from .tiers import Tier, decide
+from .tiers import Tier, confidence, decide
 
 
 class CacheInvariantError(AssertionError):
@@ -176,19 +176,22 @@ class ViaSDDecoder:
         return logits.float().softmax(-1), self._scores(state, draft, logits)
 
     def full_pass(self, state: DecodingState, draft: Draft) -> torch.Tensor:
-        """The full model's processed scores for each draft position and one beyond (its bonus)."""
+        """The full model's raw logits for each draft position and one beyond (its bonus)."""
         started = time.perf_counter()
         logits = self._forward_unprocessed(state, draft)
         self.stats.full_forwards += 1
         self.stats.seconds["full"] += time.perf_counter() - started
-        return self._scores(state, draft, logits)
+        return logits
 
     # -- tier decisions ----------------------------------------------------------------------
 
     def verify_with_full_model(self, state: DecodingState, draft: Draft) -> tuple[list[int], torch.Tensor]:
         """Standard verification: keep the drafts the full model accepts, then add the full model's own token."""
-        scores = self.full_pass(state, draft)
-        if self.do_sample:
+        logits = self.full_pass(state, draft)
+        scores = self._scores(state, draft, logits)
+        if self.config.cascade_lenience is not None:
+            accepted, own_token = self._cascade_verification(draft, logits.float().softmax(-1), scores)
+        elif self.do_sample:
             accepted, own_token = self._sampled_verification(draft, scores.softmax(-1))
         else:
             accepted, own_token = self._greedy_verification(draft, scores.argmax(-1).tolist())
@@ -217,6 +220,27 @@ class ViaSDDecoder:
             if resampled is not None:
                 return position, resampled
         return len(draft.tokens), sample(target_probs[len(draft.tokens)])
+
+    def _cascade_verification(self, draft: Draft, full_unscaled: torch.Tensor, scores: torch.Tensor) -> tuple[int, int]:
+        """Speculative cascade: a draft is kept when the full model finds it within ``1 − α`` of its favourite.
+
+        Greedy keeps the draft if it is the full model's argmax or its probability ratio exceeds
+        ``1 − α``; sampling rejection-samples against the cascade target π (DESIGN §1) with the
+        full model as verifier.
+        """
+        tau = 1.0 - self.config.cascade_lenience
+        probs = scores.softmax(-1)
+        for position, token in enumerate(draft.tokens):
+            if self.do_sample:
+                proposal = draft.probs[position]
+                proposal = one_hot(token, probs[position]) if proposal is None else proposal
+                _, resampled = cascade_step(token, proposal, probs[position], full_unscaled[position], tau)
+                if resampled is not None:
+                    return position, resampled
+            elif token != int(scores[position].argmax()) and confidence(full_unscaled[position], token, "ratio") <= tau:
+                return position, int(scores[position].argmax())
+        bonus = scores[len(draft.tokens)]
+        return len(draft.tokens), sample(probs[len(draft.tokens)]) if self.do_sample else int(bonus.argmax())
 
     def slim_verdicts(self, draft: Draft, slim_unscaled: torch.Tensor, slim_scores: torch.Tensor) -> SlimVerdict:
         """Walk the block with the slim verifier until it stops passing drafts on."""
@@ -250,9 +274,10 @@ class ViaSDDecoder:
                 return verdict
             proposal = draft.probs[position]
             proposal = one_hot(token, slim_probs[position]) if proposal is None else proposal
-            target = cascade_target(proposal, slim_probs[position], slim_unscaled[position], self.config.tau_accept)
+            target, resampled = cascade_step(
+                token, proposal, slim_probs[position], slim_unscaled[position], self.config.tau_accept
+            )
             verdict.proposals.append(target)
-            resampled = rejection_step(token, proposal, target)
             if resampled is not None:
                 verdict.stopped_by, verdict.token = Tier.REGENERATE, resampled
                 return verdict
