@@ -1,0 +1,144 @@
+"""``viasd bench``: the methods, the counts they report, the summary's arithmetic and the CLI contract."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_causal_lm
+from viasd_hf import RoutingMask
+from viasd_hf.bench.methods import METHODS, MethodTable, Outcome
+from viasd_hf.bench.runner import MethodRuns, agreement, run_methods, summarise
+from viasd_hf.bench.tasks import Example
+from viasd_hf.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CONTRACT = ("speedup_vs_greedy", "tokens_per_s", "mean_accepted", "rejection_rate", "full_calls_per_token")
+
+
+class DigitTokenizer:
+    """Enough of a tokenizer for the runner: one token per character code, no chat template."""
+
+    chat_template = None
+    pad_token_id = None
+    eos_token_id = 0
+
+    def __call__(self, text: str, return_tensors: str = "pt") -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.tensor([[1 + ord(c) % 90 for c in text]])}
+
+    def decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(str(t) for t in tokens)
+
+
+@pytest.fixture(scope="module")
+def table():
+    target = tiny_causal_lm("llama", seed=0)
+    drafter = tiny_causal_lm("llama", seed=0)  # the same weights: every draft is right
+    mask = RoutingMask.from_model(target, skip=[2])
+    return MethodTable(target, drafter, mask, RoutingMask.from_model(target, skip=[1, 2, 3]))
+
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def outcome(tokens: list[int], seconds: float, forwards: int, drafted=None, accepted=None, slim=0) -> Outcome:
+    kept = accepted or 0
+    return Outcome(tokens, seconds, forwards, drafted, accepted, {"drafter": kept, "slim": slim, "full": len(tokens) - kept - slim})
+
+
+def test_summary_arithmetic_is_exact():
+    examples = [Example("qa", "q1", ["paris"]), Example("qa", "q2", ["rome"]), Example("custom", "x")]
+    greedy = MethodRuns([outcome([1, 2, 3, 4], 4.0, 4), outcome([5, 6], 1.0, 2), outcome([7, 8], 2.0, 2)],
+                        [[4.0], [1.0], [2.0, 4.0]])
+    fast = MethodRuns([outcome([1, 2, 3, 4], 1.0, 2, drafted=4, accepted=2),
+                       outcome([5, 9], 0.5, 1, drafted=2, accepted=1, slim=1),
+                       outcome([7, 8], 1.0, 1, drafted=2, accepted=1)],
+                      [[1.0, 3.0], [0.5], [1.0]])
+    decode = {(1, 2, 3, 4): "paris", (5, 6): "rome", (5, 9): "milan", (7, 8): "x"}
+    summary = summarise({"greedy": greedy, "fast": fast}, examples, lambda t: decode[tuple(t)],
+                        {"greedy": 2**20, "fast": 3 * 2**20})
+    row = summary["fast"]
+    # per-prompt tokens/s: greedy 1, 2, 2/3 (median of 2 s and 4 s); fast 2 (median of 1 s and 3 s), 4, 2
+    assert row["speedup_vs_greedy"] == pytest.approx(2.0)  # median of the ratios 2, 2, 3
+    assert row["tokens_per_s"] == pytest.approx(2.0)
+    assert row["mean_accepted"] == pytest.approx(8 / 4)
+    assert row["full_calls_per_token"] == pytest.approx(4 / 8)
+    assert row["rejection_rate"] == pytest.approx(1 - 4 / 8)
+    assert row["tier_fractions"] == pytest.approx({"drafter": 4 / 8, "slim": 1 / 8, "full": 3 / 8})
+    assert row["quality"]["greedy_agreement"] == pytest.approx(7 / 8)
+    assert row["quality"]["exact_match"] == pytest.approx(50.0)
+    assert summary["greedy"]["quality"]["exact_match"] == pytest.approx(100.0)
+    assert row["per_task"]["qa"]["speedup_vs_greedy"] == pytest.approx(2.0)
+    assert row["per_task"]["custom"]["quality"] == {"greedy_agreement": 1.0}
+    assert row["weights_mib"] == pytest.approx(3.0)
+    assert summary["greedy"]["rejection_rate"] is None
+
+
+def test_agreement_counts_positions_of_the_greedy_output():
+    assert agreement([[1, 2, 3]], [[1, 2, 3]]) == 1.0
+    assert agreement([[1, 9, 3, 4]], [[1, 2, 3]]) == pytest.approx(2 / 3)
+    assert agreement([[1]], [[1, 2]]) == pytest.approx(1 / 2)
+
+
+def test_method_table_refuses_what_it_cannot_compare(table):
+    with pytest.raises(ValueError, match="unknown bench methods"):
+        table.build(["greedy", "beam"])
+    with pytest.raises(ValueError, match="first method must be 'greedy'"):
+        table.build(["viasd", "greedy"])
+    no_self = MethodTable(table.target, table.drafter, table.mask, None)
+    with pytest.raises(ValueError, match="self-drafting mask"):
+        no_self.build(["greedy", "self_spec"])
+
+
+def test_every_method_runs_and_reports_what_it_did(table):
+    methods = table.build(list(METHODS))
+    ids = torch.tensor([[3, 17, 5, 3, 17, 5, 3, 17]])
+    common = {"max_new_tokens": 12, "do_sample": False, "return_dict_in_generate": True, "pad_token_id": 0}
+    outcomes = {name: method(ids, common) for name, method in methods.items()}
+    greedy = outcomes["greedy"]
+    assert greedy.full_forwards == len(greedy.tokens) == 12
+    assert greedy.drafted is None and greedy.tier_tokens == {"drafter": 0, "slim": 0, "full": 12}
+    for name in ("hf_assisted", "hf_prompt_lookup", "self_spec", "two_tier", "viasd_lossless", "cascade"):
+        assert outcomes[name].tokens == greedy.tokens, f"{name} must reproduce greedy here"
+    for name, result in outcomes.items():
+        assert sum(result.tier_tokens.values()) == len(result.tokens), name
+        assert result.accepted is None or 0 <= result.accepted <= result.drafted, name
+    assert outcomes["hf_assisted"].accepted == outcomes["hf_assisted"].drafted > 0  # an identical drafter is never wrong
+    assert outcomes["hf_assisted"].full_forwards < 12
+    assert outcomes["viasd"].viasd["slim_forwards"] > 0
+
+
+def test_run_methods_interleaves_and_keeps_every_repeat(table):
+    methods = table.build(["greedy", "two_tier", "viasd"])
+    examples = [Example("custom", "hello there"), Example("custom", "general kenobi")]
+    runs = run_methods(methods, DigitTokenizer(), examples, max_new_tokens=6, repeats=2)
+    for name, method_runs in runs.items():
+        assert len(method_runs.outcomes) == 2 and all(len(s) == 2 for s in method_runs.seconds), name
+    assert runs["two_tier"].outcomes[1].tokens == runs["greedy"].outcomes[1].tokens
+
+
+@pytest.mark.integration
+def test_bench_cli_runs_every_method_on_spec_bench(tmp_path, capsys):
+    """What CI runs: every method, two prompts per Spec-Bench task, on the small model (no timing asserted)."""
+    report, pictures = tmp_path / "bench.json", tmp_path / "plots"
+    assert main(["bench", "--target", "smollm2-135m-instruct", "--drafter", "smollm2-135m-instruct",
+                 "--mask", str(REPO / "hub_masks" / "smollm2-135m-instruct" / "self"), "--dtype", "float32",
+                 "--limit", "2", "--max-new-tokens", "12", "--json", str(report), "--plots", str(pictures)]) == 0
+    data = json.loads(report.read_text())
+    assert list(data["methods"]) == list(METHODS)
+    assert data["tasks"] == {task: 2 for task in ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")}
+    for name, row in data["methods"].items():
+        assert all(key in row for key in CONTRACT), name
+        assert "greedy_agreement" in row["quality"] and "rougeL" in row["quality"] and "bleu" in row["quality"], name
+        assert set(row["per_task"]) == set(data["tasks"]), name
+    assert data["methods"]["greedy"]["speedup_vs_greedy"] == 1.0
+    assert data["methods"]["viasd_lossless"]["quality"]["greedy_agreement"] >= 0.9  # exactness: test_decoding*
+    assert data["environment"]["machine_bandwidth_gb_s"] > 0
+    assert len(data["outputs"]["viasd"]) == 12
+    assert {p.name for p in pictures.iterdir()} == {"speedup_vs_quality.png", "tier_fractions.png"}
+    assert sum(data["methods"]["viasd"]["time_shares"].values()) == pytest.approx(1.0)
+    out = capsys.readouterr().out
+    assert "| viasd |" in out and "Speed-up over greedy per task" in out and "Where the time goes" in out

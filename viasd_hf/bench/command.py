@@ -1,0 +1,140 @@
+"""``viasd bench``: load the pair, pick the prompts, run the methods, print and save what was measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..masks import RoutingMask, RoutingMaskError
+from .methods import METHODS, MethodSettings, MethodTable
+from .tasks import DATASETS, Example, load_examples, load_jsonl
+
+DRAFTER_METHODS = frozenset({"hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless"})
+
+
+def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``viasd bench``; scripts and CI rely on these flags and on the JSON layout (see the README)."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="every decoding method on the same prompts: speed-up over greedy, acceptance, quality, memory",
+        description="Run greedy, HF assisted / prompt lookup, layer-skip self-speculation, a speculative cascade "
+        "and VIA-SD side by side (interleaved, in one process) and report speed as ratios to greedy.",
+    )
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="zoo name, Hub id or local folder")
+    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct", help="assistant model sharing the tokenizer")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(METHODS)}")
+    parser.add_argument("--dataset", default="spec_bench", choices=DATASETS)
+    parser.add_argument("--prompts", help="JSONL with 'prompt', optional 'reference' and 'task' (instead of --dataset)")
+    parser.add_argument("--limit", type=int, help="examples per task (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (the median is kept)")
+    parser.add_argument("--temperature", type=float, help="sample at this temperature (every method, seeded alike)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--mask", help="VIA-SD routing mask (folder / JSON / Hub id; default: the mask known for the pair)")
+    parser.add_argument("--self-draft-mask", help="self_spec's drafting mask (default: the target's known self mask)")
+    parser.add_argument("--gamma", type=int, default=5, help="draft tokens per block for every drafting method of ours")
+    parser.add_argument("--draft-threshold", type=float, default=0.4, help="stop drafting below this drafter confidence")
+    parser.add_argument("--cascade-lenience", type=float, default=0.3, help="α of the cascade baseline")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    parser.add_argument("--json", help="write every figure, the environment and the command here")
+    parser.add_argument("--plots", help="folder for speedup_vs_quality.png and tier_fractions.png")
+    parser.set_defaults(handler=run_bench_command)
+    return parser
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def _known_mask(target_name: str, drafters: tuple[str, ...], model: nn.Module) -> RoutingMask | None:
+    """The first mask found offline (user cache, then ``hub_masks/``) for the target with one of ``drafters``."""
+    for drafter in drafters:
+        try:
+            mask = RoutingMask.from_pretrained((target_name, drafter), local_files_only=True)
+        except RoutingMaskError:
+            continue
+        mask.validate_for(model)
+        return mask
+    return None
+
+
+def _examples(args: argparse.Namespace) -> list[Example]:
+    if args.prompts:
+        return load_jsonl(args.prompts, args.limit)
+    return load_examples(args.dataset, args.limit)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..models import load_pretrained
+    from .report import environment, markdown, per_task_markdown, plots, time_markdown
+    from .runner import machine_bandwidth_gb_s, run_methods, summarise
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = args.methods.split(",")
+    examples = _examples(args)
+    target, tokenizer = load_pretrained(args.target, dtype=args.dtype)
+    drafter, _ = load_pretrained(args.drafter, dtype=args.dtype)
+    mask = RoutingMask.from_pretrained(args.mask) if args.mask else _known_mask(args.target, (args.drafter,), target)
+    if mask is None:
+        raise SystemExit(
+            f"no routing mask is known for ({args.target}, {args.drafter}): pass --mask, or find one with "
+            f"`viasd search --target {args.target} --drafter {args.drafter}`"
+        )
+    mask.validate_for(target)
+    self_mask = (
+        RoutingMask.from_pretrained(args.self_draft_mask) if args.self_draft_mask
+        else _known_mask(args.target, ("self-drafter", "self"), target)
+    )
+    settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens)
+    methods = MethodTable(target, drafter, mask, self_mask, settings).build(names)
+    runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature)
+    weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if name in DRAFTER_METHODS else 0) for name in names}
+    summary = summarise(runs, examples, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), weights)
+    env = environment(machine_bandwidth_gb_s())
+    print(markdown(summary))
+    print()
+    print("Speed-up over greedy per task:")
+    print(per_task_markdown(summary))
+    print("\nWhere the time goes (our decoders, from their own timers):")
+    print(time_markdown(summary))
+    print(f"\n{env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {args.dtype} · "
+          f"machine copy bandwidth {env['machine_bandwidth_gb_s']:.1f} GB/s · {env['date']}")
+    if args.json:
+        report = _report(args, summary, env, examples, mask, self_mask, runs, tokenizer)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plots:
+        for path in plots(summary, args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+def _report(args: argparse.Namespace, summary: dict, env: dict, examples: list[Example], mask: RoutingMask,
+            self_mask: RoutingMask | None, runs: dict, tokenizer: Any) -> dict[str, Any]:
+    """Everything needed to check or redo the run: command, environment, masks, figures and every output."""
+    options = {key: value for key, value in vars(args).items() if key not in ("handler", "command")}
+    return {
+        "command": shlex.join(["viasd", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else None,
+        "options": options,
+        "environment": env,
+        "tasks": {task: sum(e.task == task for e in examples) for task in dict.fromkeys(e.task for e in examples)},
+        "masks": {"routing_mask": mask.to_dict(), "self_draft_mask": self_mask.to_dict() if self_mask else None},
+        "methods": summary,
+        "outputs": {
+            name: [
+                {"task": e.task, "tokens": len(o.tokens), "seconds": s, "text": tokenizer.decode(o.tokens, skip_special_tokens=True)}
+                for e, o, s in zip(examples, method_runs.outcomes, method_runs.seconds)
+            ]
+            for name, method_runs in runs.items()
+        },
+    }

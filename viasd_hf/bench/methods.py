@@ -1,0 +1,179 @@
+"""The decoders ``viasd bench`` compares, each one callable that decodes one prompt and says what it did.
+
+Every method decodes with the same target, the same generation settings and (where it drafts
+with a model) the same drafter, so differences are the method's. HF's own decoders report no
+acceptance statistics, so for them the counts come from the outside: a forward hook counts the
+target's forwards and a wrapper on the candidate generator counts drafted tokens. VIA-SD's
+variants report their own counts (``ViaSDStats``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.generation import candidate_generator
+
+from ..config import ViaSDConfig
+from ..generation import enable_viasd
+from ..masks import RoutingMask
+
+METHODS = ("greedy", "hf_assisted", "hf_prompt_lookup", "self_spec", "cascade", "two_tier", "viasd", "viasd_lossless")
+
+
+@dataclass
+class Outcome:
+    """One method on one prompt: the tokens it generated, how long it took, and who produced them.
+
+    ``full_forwards`` counts the full target's forwards, prefill included (plain greedy: one per
+    token). ``tier_tokens`` splits the generated tokens by producer: drafts that were kept
+    (``drafter``), tokens the slim verifier produced itself (``slim``), and the full model's own
+    corrections and bonus tokens (``full``).
+    """
+
+    tokens: list[int]
+    seconds: float
+    full_forwards: int
+    drafted: int | None
+    accepted: int | None
+    tier_tokens: dict[str, int]
+    viasd: dict[str, Any] | None = None
+
+
+@dataclass
+class MethodSettings:
+    """What the compared methods share: the drafter's budget, and each baseline's one knob."""
+
+    num_draft_tokens: int = 5
+    draft_confidence_threshold: float | None = 0.4
+    cascade_lenience: float = 0.3  # accepts what the full model rates within 1 − α = 0.7 of its favourite: VIA-SD's τ_acc
+    prompt_lookup_tokens: int = 10
+
+    def drafting(self) -> dict[str, Any]:
+        return {"num_draft_tokens": self.num_draft_tokens, "draft_confidence_threshold": self.draft_confidence_threshold}
+
+
+Method = Callable[[torch.Tensor, dict[str, Any]], Outcome]
+
+
+@dataclass
+class _Counts:
+    forwards: int = 0
+    drafted: int = 0
+
+
+@contextmanager
+def _counting(target: nn.Module) -> Iterator[_Counts]:
+    """Count the target's forwards and the tokens HF's candidate generators propose while inside."""
+    counts = _Counts()
+    hook = target.register_forward_pre_hook(lambda module, args: setattr(counts, "forwards", counts.forwards + 1))
+    originals = {}
+    for cls in (candidate_generator.AssistedCandidateGenerator, candidate_generator.PromptLookupCandidateGenerator):
+        originals[cls] = cls.get_candidates
+
+        def counted(self: Any, input_ids: torch.Tensor, *args: Any, _original: Any = cls.get_candidates, **kwargs: Any):
+            candidates, logits = _original(self, input_ids, *args, **kwargs)
+            counts.drafted += candidates.shape[1] - input_ids.shape[1]
+            return candidates, logits
+
+        cls.get_candidates = counted
+    try:
+        yield counts
+    finally:
+        hook.remove()
+        for cls, original in originals.items():
+            cls.get_candidates = original
+
+
+def _hf_method(target: nn.Module, drafts: bool, **extra: Any) -> Method:
+    """Plain ``generate`` (greedy / sampling) or one of HF's speculative modes, counted from outside."""
+
+    def run(ids: torch.Tensor, common: dict[str, Any]) -> Outcome:
+        with _counting(target) as counts:
+            started = time.perf_counter()
+            out = target.generate(ids, **common, **extra)
+            seconds = time.perf_counter() - started
+        tokens = out.sequences[0, ids.shape[1] :].tolist()
+        accepted = len(tokens) - counts.forwards if drafts else None  # every target call adds one token of its own
+        return Outcome(
+            tokens=tokens,
+            seconds=seconds,
+            full_forwards=counts.forwards,
+            drafted=counts.drafted if drafts else None,
+            accepted=accepted,
+            tier_tokens={"drafter": accepted or 0, "slim": 0, "full": len(tokens) - (accepted or 0)},
+        )
+
+    return run
+
+
+def _viasd_method(target: nn.Module, config: ViaSDConfig, drafter: nn.Module | None) -> Method:
+    """A ``viasd_hf`` decode; its own statistics say who produced each token."""
+
+    def run(ids: torch.Tensor, common: dict[str, Any]) -> Outcome:
+        started = time.perf_counter()
+        out = target.generate(ids, assistant_model=drafter, viasd_config=config, **common)
+        seconds = time.perf_counter() - started
+        stats = out.viasd_stats
+        return Outcome(
+            tokens=out.sequences[0, ids.shape[1] :].tolist(),
+            seconds=seconds,
+            full_forwards=stats.full_forwards,
+            drafted=stats.drafted_tokens,
+            accepted=stats.accepted_tokens,
+            tier_tokens={"drafter": stats.accepted_tokens, "slim": stats.slim_tokens, "full": stats.full_tokens},
+            viasd=stats.to_dict(),
+        )
+
+    return run
+
+
+@dataclass
+class MethodTable:
+    """Builds the requested methods for one target, drafter and pair of masks."""
+
+    target: nn.Module
+    drafter: nn.Module
+    mask: RoutingMask
+    self_draft_mask: RoutingMask | None
+    settings: MethodSettings = field(default_factory=MethodSettings)
+
+    def build(self, names: list[str]) -> dict[str, Method]:
+        unknown = [name for name in names if name not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown bench methods {unknown}; choose from {', '.join(METHODS)}")
+        if names[0] != "greedy":
+            raise ValueError("the first method must be 'greedy': every speed-up and agreement is measured against it")
+        if "self_spec" in names and self.self_draft_mask is None:
+            raise ValueError(
+                "self_spec needs a self-drafting mask for this target: pass --self-draft-mask, or find one with "
+                "`viasd search --drafter self --skip-ratio 0.45`, or leave self_spec out of --methods"
+            )
+        enable_viasd(self.target)
+        return {name: self._method(name) for name in names}
+
+    def _method(self, name: str) -> Method:
+        drafting = self.settings.drafting()
+        target, drafter = self.target, self.drafter
+        if name == "greedy":
+            return _hf_method(target, drafts=False)
+        if name == "hf_assisted":
+            return _hf_method(target, drafts=True, assistant_model=drafter)
+        if name == "hf_prompt_lookup":
+            return _hf_method(target, drafts=True, prompt_lookup_num_tokens=self.settings.prompt_lookup_tokens)
+        if name == "self_spec":
+            config = ViaSDConfig(use_slim=False, self_draft_mask=self.self_draft_mask, **drafting)
+            return _viasd_method(target, config, drafter=None)
+        if name == "cascade":
+            config = ViaSDConfig(use_slim=False, cascade_lenience=self.settings.cascade_lenience, **drafting)
+            return _viasd_method(target, config, drafter)
+        if name == "two_tier":
+            return _viasd_method(target, ViaSDConfig(use_slim=False, **drafting), drafter)
+        if name == "viasd":
+            return _viasd_method(target, ViaSDConfig.paper(routing_mask=self.mask, **drafting), drafter)
+        return _viasd_method(target, ViaSDConfig(routing_mask=self.mask, mode="lossless", **drafting), drafter)

@@ -1,0 +1,139 @@
+"""What ``viasd bench`` shows: a Markdown table, the run's environment, and two pictures."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from .. import __version__
+
+QUALITY_COLUMNS = (("rougeL", "ROUGE-L"), ("bleu", "BLEU"), ("chrf", "chrF"), ("exact_match", "EM"), ("pass@1", "pass@1"))
+
+
+def _cell(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(summary: dict[str, dict[str, Any]]) -> str:
+    """One row per method: speed, work per token, quality; quality columns only for metrics some task produced."""
+    shown = [(key, label) for key, label in QUALITY_COLUMNS if any(key in row["quality"] for row in summary.values())]
+    header = ["method", "tokens/s", "× greedy", "accepted / full call", "rejection rate", "full calls / token",
+              "greedy agreement", *(label for _, label in shown), "peak memory (MiB)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, row in summary.items():
+        cells = [
+            name,
+            _cell(row["tokens_per_s"]),
+            _cell(row["speedup_vs_greedy"]),
+            _cell(row["mean_accepted"]),
+            _cell(row["rejection_rate"]),
+            _cell(row["full_calls_per_token"]),
+            _cell(row["quality"]["greedy_agreement"]),
+            *(_cell(row["quality"].get(key), 1) for key, _ in shown),
+            _cell(row["peak_memory_mib"], 0),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def per_task_markdown(summary: dict[str, dict[str, Any]]) -> str:
+    """Speed-up over greedy per task and method, with the VIA-SD escalation picture alongside."""
+    tasks = list(next(iter(summary.values()))["per_task"])
+    lines = ["| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
+    for name, row in summary.items():
+        lines.append(f"| {name} | " + " | ".join(_cell(row["per_task"][t]["speedup_vs_greedy"]) for t in tasks) + " |")
+    return "\n".join(lines)
+
+
+def time_markdown(summary: dict[str, dict[str, Any]]) -> str:
+    """Where each of our decoders spends its time, with the work per token that explains it."""
+    lines = ["| method | drafter | slim passes | full passes | loop overhead | full calls / token | slim passes / token "
+             "| escalation rate | slim tier on |", "|" + "---|" * 9]
+    for name, row in summary.items():
+        shares = row.get("time_shares")
+        if not shares:
+            continue
+        lines.append(
+            f"| {name} | " + " | ".join(f"{shares[part]:.0%}" for part in ("drafter", "slim", "full", "overhead"))
+            + f" | {_cell(row['full_calls_per_token'])} | {_cell(row['slim_forwards_per_token'])} "
+            f"| {_cell(row['escalation_rate'])} | {_cell(row['slim_on_fraction'])} |"
+        )
+    return "\n".join(lines)
+
+
+def environment(bandwidth_gb_s: float) -> dict[str, Any]:
+    """Versions, threads and hardware: a ratio means little without the machine it was measured on."""
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "viasd_hf": __version__,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "machine_bandwidth_gb_s": bandwidth_gb_s,
+    }
+
+
+def plots(summary: dict[str, dict[str, Any]], directory: str | Path) -> list[Path]:
+    """``speedup_vs_quality.png`` (speed-up against greedy agreement per method) and ``tier_fractions.png``
+    (who produced the tokens, per task, for each method that drafts)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(6, 4.5))
+    for name, row in summary.items():
+        axes.scatter(row["quality"]["greedy_agreement"], row["speedup_vs_greedy"], s=40)
+        axes.annotate(name, (row["quality"]["greedy_agreement"], row["speedup_vs_greedy"]), fontsize=8,
+                      xytext=(4, 3), textcoords="offset points")
+    axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    axes.set_xlabel("agreement with greedy output (fraction of tokens)")
+    axes.set_ylabel("speed-up over greedy (median over prompts)")
+    axes.set_title("Speed against fidelity")
+    figure.tight_layout()
+    speed_path = directory / "speedup_vs_quality.png"
+    figure.savefig(speed_path, dpi=120)
+    plt.close(figure)
+
+    drafting = [name for name, row in summary.items() if row["tier_fractions"]["drafter"] > 0]
+    tasks = list(next(iter(summary.values()))["per_task"])
+    figure, axes = plt.subplots(figsize=(min(12.0, max(6.0, 0.25 * len(tasks) * len(drafting))), 4.5))
+    width = 0.8 / max(1, len(drafting))
+    colours = {"drafter": "tab:green", "slim": "tab:orange", "full": "tab:blue"}
+    for offset, name in enumerate(drafting):
+        bottom = [0.0] * len(tasks)
+        positions = [t + offset * width for t in range(len(tasks))]
+        for tier, colour in colours.items():
+            heights = [summary[name]["per_task"][task]["tier_fractions"][tier] for task in tasks]
+            axes.bar(positions, heights, width, bottom=bottom, color=colour, edgecolor="white", linewidth=0.5,
+                     label=tier if offset == 0 else None)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        for position in positions:
+            axes.text(position, 1.01, name, rotation=90, fontsize=6, ha="center", va="bottom")
+    axes.set_xticks([t + 0.4 - width / 2 for t in range(len(tasks))], tasks, rotation=20)
+    axes.set_ylim(0, 1.35)
+    axes.set_ylabel("fraction of generated tokens")
+    axes.set_title("Who produced the tokens (drafter kept / slim verifier / full model)")
+    axes.legend(loc="upper right", fontsize=8, ncols=3)
+    figure.tight_layout()
+    tiers_path = directory / "tier_fractions.png"
+    figure.savefig(tiers_path, dpi=120)
+    plt.close(figure)
+    return [speed_path, tiers_path]
