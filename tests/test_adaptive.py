@@ -116,3 +116,47 @@ def test_a_slim_tier_that_starts_paying_is_found_within_the_longest_probe_interv
     assert switched_at <= controller.max_probe_every + controller.probe_blocks
     assert later[switched_at : switched_at + controller.probe_every].count(False) == 0
     assert sum(later[-100:]) > 95
+
+
+class ScriptedController(TierController):
+    """Turns the slim tier on and off in a fixed pattern and records what each block was charged to."""
+
+    def __init__(self, pattern: list[bool]) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.charged: list[bool] = []
+
+    def use_slim(self) -> bool:
+        return self.pattern[len(self.charged) % len(self.pattern)]
+
+    def observe(self, used_slim: bool, seconds: float, tokens: int) -> None:
+        self.charged.append(used_slim)
+
+
+def test_a_block_that_clears_the_slim_backlog_is_charged_to_the_slim_tier(monkeypatch):
+    """Otherwise a probe of the two-tier regime pays for tokens the slim tier committed, and the
+    controller keeps a slim tier that does not pay."""
+    import viasd_hf.decoding as decoding
+    from conftest import tiny_causal_lm
+
+    target = tiny_causal_lm("llama", seed=0)
+    controller = ScriptedController([True, True, False, False])
+    monkeypatch.setattr(decoding, "controller_for", lambda model, mask, key: controller)
+    backlogs = []
+    original_step = decoding.ViaSDDecoder.step
+
+    def recording_step(self, state):
+        backlogs.append(state.length - state.full_length - 1)
+        original_step(self, state)
+
+    monkeypatch.setattr(decoding.ViaSDDecoder, "step", recording_step)
+    enable_viasd(target)
+    mask = RoutingMask.from_model(target, skip=[2])
+    config = ViaSDConfig(routing_mask=mask, tau_accept=0.0, tau_escalate=0.0)  # the slim tier accepts every draft
+    out = target.generate(torch.tensor([[3, 17, 5, 3, 17, 5]]), assistant_model=target, viasd_config=config,
+                          max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
+    wanted = [controller.pattern[i % 4] for i in range(len(backlogs))]
+    assert out.viasd_stats.slim_committed_tokens > 0
+    assert any(not want and backlog > 0 for want, backlog in zip(wanted, backlogs)), "the pattern must leave a debt"
+    for want, backlog, charged in zip(wanted, backlogs, controller.charged):
+        assert charged == (want or backlog > 0)

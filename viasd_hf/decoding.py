@@ -371,11 +371,18 @@ class ViaSDDecoder:
         if self.config.adaptive:
             self.draft_length.update(len(draft.tokens), self.stats.accepted_tokens - accepted_before)
         if self.controller is not None:
-            self.controller.observe(wants_slim, time.perf_counter() - started, len(tokens))
+            self.controller.observe(self.slim_paid(wants_slim, slim_backlog), time.perf_counter() - started, len(tokens))
             self.stats.slim_on_blocks += int(wants_slim)
             self.stats.slim_off_blocks += int(not wants_slim)
         if self.check_invariants:
             state.check_cache()
+
+    @staticmethod
+    def slim_paid(wants_slim: bool, slim_backlog: int) -> bool:
+        """Which regime a block's time is charged to: a block that clears tokens the slim tier committed
+        pays the slim tier's debt (the full model must still process them), so it counts as a slim-tier
+        block even when the slim tier is off — otherwise probes would bill one regime for the other."""
+        return wants_slim or slim_backlog > 0
 
     def run(self, state: DecodingState) -> DecodingState:
         """Decode from ``state`` (the prompt, an empty cache) until a stopping criterion or the length limit."""
