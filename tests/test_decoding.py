@@ -127,6 +127,7 @@ def test_tiered_paper_preset_stats_add_up(pair, masks, seed):
     stats = out.viasd_stats
     assert stats.new_tokens == out.sequences.shape[1] - 10 == 40
     assert stats.new_tokens == stats.accepted_tokens + stats.slim_tokens + stats.full_tokens
+    assert stats.committed_by == {"drafter": stats.accepted_tokens, "slim": stats.slim_tokens, "full": stats.full_tokens}
     assert stats.drafted_tokens == sum(stats.drafted_at_position)
     assert stats.accepted_tokens == sum(stats.accepted_at_position)
     assert stats.slim_accepted_tokens > 0
@@ -182,9 +183,13 @@ def test_eos_inside_a_block_stops_there(pair, masks):
     out = target.generate(
         ids, custom_generate=viasd_generate, drafter=assistant, max_new_tokens=24, do_sample=False, eos_token_id=eos,
         pad_token_id=0, viasd_config=ViaSDConfig(routing_mask=masks[0], mode="lossless"),
+        return_dict_in_generate=True,
     )
-    assert torch.equal(out, expected)
-    assert out[0, -1].item() == eos and out.shape[1] == 10 + free.index(eos) + 1
+    assert torch.equal(out.sequences, expected)
+    assert out.sequences[0, -1].item() == eos and out.sequences.shape[1] == 10 + free.index(eos) + 1
+    stats = out.viasd_stats
+    assert sum(stats.committed_by.values()) == stats.new_tokens == free.index(eos) + 1
+    assert stats.accepted_tokens + stats.full_tokens > stats.new_tokens, "the block went on past the EOS"
 
 
 class StopAfter(StoppingCriteria):

@@ -145,6 +145,7 @@ class ViaSDDecoder:
         longest = min(3 * config.num_draft_tokens, config.max_slim_backlog - 1)
         self.draft_length = DraftLength(config.num_draft_tokens, longest if config.adaptive else config.num_draft_tokens)
         self.finished = False
+        self.producers: list[str] = []  # who produced each token of the block being committed
 
     # -- passes ----------------------------------------------------------------------------
 
@@ -201,6 +202,7 @@ class ViaSDDecoder:
         crop_to(state.full_cache, state.full_length)
         self.stats.accepted_tokens += accepted
         self.stats.full_tokens += 1
+        self.producers = ["drafter"] * accepted + ["full"]
         return draft.tokens[:accepted] + [own_token], scores[: accepted + 1]
 
     @staticmethod
@@ -301,6 +303,7 @@ class ViaSDDecoder:
         self.stats.regenerated_tokens += 1
         self.stats.slim_tokens += 1
         self.stats.slim_committed_tokens += accepted + 1
+        self.producers = ["drafter"] * accepted + ["slim"]
         return draft.tokens[:accepted] + [verdict.token], slim_scores[: accepted + 1]
 
     def repaired_by_slim(self, state: DecodingState, draft: Draft) -> Draft:
@@ -325,9 +328,10 @@ class ViaSDDecoder:
 
     def commit(self, state: DecodingState, tokens: list[int], scores: torch.Tensor) -> None:
         """Append tokens one at a time, honouring max length and stopping criteria mid-block."""
-        for i, token in enumerate(tokens):
+        for i, (token, producer) in enumerate(zip(tokens, self.producers)):
             state.ids = torch.cat([state.ids, state.ids.new_tensor([[token]])], dim=-1)
             self.stats.new_tokens += 1
+            self.stats.committed_by[producer] += 1
             if self.keep_scores:
                 state.scores.append(scores[i : i + 1])
             if self.streamer is not None:

@@ -17,9 +17,11 @@ class ViaSDStats:
     With ``adaptive=True``, ``slim_on_blocks`` / ``slim_off_blocks`` say how often the slim tier
     was active, and ``tier_switches`` when and why the controller switched it.
 
-    ``new_tokens == accepted_tokens + slim_tokens + full_tokens``: every committed token was a
-    draft that was accepted (by the slim or the full tier), or produced by the slim verifier
-    (regenerated / its bonus token), or produced by the full model (correction / bonus).
+    ``new_tokens == accepted_tokens + slim_tokens + full_tokens`` unless generation stopped inside
+    a block: every committed token was a draft that was accepted (by the slim or the full tier),
+    or produced by the slim verifier (regenerated / its bonus token), or produced by the full
+    model (correction / bonus). ``committed_by`` splits exactly the committed tokens that way
+    (``drafter`` / ``slim`` / ``full``), so it always sums to ``new_tokens``.
     """
 
     new_tokens: int = 0
@@ -35,6 +37,7 @@ class ViaSDStats:
     full_tokens: int = 0
     slim_committed_tokens: int = 0
     peak_slim_backlog: int = 0
+    committed_by: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "slim": 0, "full": 0})
     slim_on_blocks: int = 0
     slim_off_blocks: int = 0
     tier_switches: list[dict] = field(default_factory=list)

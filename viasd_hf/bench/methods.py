@@ -126,7 +126,7 @@ def _viasd_method(target: nn.Module, config: ViaSDConfig, drafter: nn.Module | N
             full_forwards=stats.full_forwards,
             drafted=stats.drafted_tokens,
             accepted=stats.accepted_tokens,
-            tier_tokens={"drafter": stats.accepted_tokens, "slim": stats.slim_tokens, "full": stats.full_tokens},
+            tier_tokens=dict(stats.committed_by),
             viasd=stats.to_dict(),
         )
 
