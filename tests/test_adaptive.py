@@ -115,7 +115,7 @@ def test_a_slim_tier_that_starts_paying_is_found_within_the_longest_probe_interv
     switched_at = controller.switches[-1]["block"] - 600
     assert switched_at <= controller.max_probe_every + controller.probe_blocks
     assert later[switched_at : switched_at + controller.probe_every].count(False) == 0
-    assert sum(later[-100:]) > 95
+    assert sum(later[-100:]) >= 90
 
 
 class ScriptedController(TierController):
@@ -160,3 +160,20 @@ def test_a_block_that_clears_the_slim_backlog_is_charged_to_the_slim_tier(monkey
     assert any(not want and backlog > 0 for want, backlog in zip(wanted, backlogs)), "the pattern must leave a debt"
     for want, backlog, charged in zip(wanted, backlogs, controller.charged):
         assert charged == (want or backlog > 0)
+
+
+def test_throughput_not_the_mean_of_per_block_ratios_decides():
+    """Two-tier blocks vary (1 or 9 tokens), slim blocks are steady (4 tokens); two-tier is 20 % faster
+    per token overall (0.08 s vs 0.10 s), although its mean per-block seconds/token is worse (0.13 s)."""
+    controller = TierController(slim_on=True)
+    choices = []
+    for block in range(400):
+        slim = controller.use_slim()
+        choices.append(slim)
+        if slim:
+            controller.observe(True, 0.40, 4)
+        else:
+            short = block % 2 == 0
+            controller.observe(False, 0.20 if short else 0.60, 1 if short else 9)
+    assert controller.switches and controller.switches[0]["slim_tier"] == "off"
+    assert sum(choices[-200:]) < 0.05 * 200

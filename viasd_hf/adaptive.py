@@ -30,17 +30,30 @@ from .masks import RoutingMask
 
 @dataclass
 class Regime:
-    """Measured cost of one regime (slim tier on or off)."""
+    """Measured cost of one regime (slim tier on or off): faded sums of seconds and of committed tokens.
 
-    seconds_per_token: float | None = None
+    Their ratio is the regime's throughput. A decayed mean of per-block ratios would not be:
+    blocks that commit one token weigh as much as blocks that commit sixteen, which favours
+    whichever regime has the steadier block sizes rather than the faster one.
+    """
+
+    seconds: float = 0.0
+    tokens: float = 0.0
     blocks: int = 0
 
-    def observe(self, seconds: float, tokens: int, decay: float) -> None:
-        sample = seconds / max(tokens, 1)
+    @property
+    def seconds_per_token(self) -> float | None:
+        return self.seconds / self.tokens if self.tokens else None
+
+    def observe(self, seconds: float, tokens: int) -> None:
         self.blocks += 1
-        self.seconds_per_token = sample if self.seconds_per_token is None else (
-            decay * self.seconds_per_token + (1 - decay) * sample
-        )
+        self.seconds += seconds
+        self.tokens += tokens
+
+    def fade(self, decay: float) -> None:
+        """Age what was measured by one block: the ratio stays, but new blocks outweigh old ones."""
+        self.seconds *= decay
+        self.tokens *= decay
 
 
 @dataclass
@@ -49,10 +62,10 @@ class TierController:
 
     slim_on: bool = True  # the starting choice: the offline prediction of the mask, when it has one
     probe_every: int = 16  # blocks between probes after a switch; doubles while probes confirm the choice
-    max_probe_every: int = 128
-    probe_blocks: int = 2
+    max_probe_every: int = 256
+    probe_blocks: int = 3
     warmup_blocks: int = 3
-    decay: float = 0.7
+    decay: float = 0.9  # per block, for both regimes: a probe's blocks outweigh what was measured long ago
     margin: float = 0.05  # switch only to a regime that is cheaper by more than this fraction (no flapping on noise)
     on: Regime = field(default_factory=Regime)
     off: Regime = field(default_factory=Regime)
@@ -78,7 +91,9 @@ class TierController:
 
     def observe(self, used_slim: bool, seconds: float, tokens: int) -> None:
         """Record a finished block and, once both regimes are measured, switch if the other is clearly cheaper."""
-        (self.on if used_slim else self.off).observe(seconds, tokens, self.decay)
+        self.on.fade(self.decay)
+        self.off.fade(self.decay)
+        (self.on if used_slim else self.off).observe(seconds, tokens)
         self.block += 1
         if self.on.seconds_per_token is None or self.off.seconds_per_token is None:
             return
