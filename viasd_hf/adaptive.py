@@ -58,50 +58,70 @@ class Regime:
 
 @dataclass
 class TierController:
-    """Chooses, block by block, whether the slim tier runs; probes the other choice with a backing-off interval."""
+    """Chooses, block by block, whether the slim tier runs; probes the other choice with a backing-off interval.
+
+    A probe runs the other regime until it has committed ``probe_tokens`` tokens (or for
+    ``max_probe_blocks`` blocks): a few blocks of one to sixteen tokens each are too noisy to act
+    on, and a wrong switch costs far more than a late one. The decision is taken when the probe
+    ends; between probes, the current regime is compared with what the last probe measured.
+    """
 
     slim_on: bool = True  # the starting choice: the offline prediction of the mask, when it has one
-    probe_every: int = 16  # blocks between probes after a switch; doubles while probes confirm the choice
+    probe_every: int = 32  # blocks between probes after a switch; doubles while probes confirm the choice
     max_probe_every: int = 256
-    probe_blocks: int = 3
-    warmup_blocks: int = 3
+    probe_tokens: int = 32
+    max_probe_blocks: int = 8
     decay: float = 0.9  # per block, for both regimes: a probe's blocks outweigh what was measured long ago
-    margin: float = 0.05  # switch only to a regime that is cheaper by more than this fraction (no flapping on noise)
+    margin: float = 0.10  # switch only to a regime that is cheaper by more than this fraction (no flapping on noise)
     on: Regime = field(default_factory=Regime)
     off: Regime = field(default_factory=Regime)
     block: int = 0
     switches: list[dict] = field(default_factory=list)
     probe_interval: int = 0  # current blocks between probes (0: not started)
     next_probe: int = 0  # block at which the next probe starts
+    probed_tokens: int = 0
+    probed_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.probe_interval = self.probe_interval or self.probe_every
         self.next_probe = self.next_probe or self.probe_every
 
+    @property
+    def probing(self) -> bool:
+        return self.block >= self.next_probe
+
     def use_slim(self) -> bool:
         """Whether the next block runs the slim tier."""
-        if self.on.blocks < self.warmup_blocks:
-            return True
-        if self.off.blocks < self.warmup_blocks:
-            return False
-        return not self.slim_on if self._probing() else self.slim_on
-
-    def _probing(self) -> bool:
-        return self.next_probe <= self.block < self.next_probe + self.probe_blocks
+        return not self.slim_on if self.probing else self.slim_on
 
     def observe(self, used_slim: bool, seconds: float, tokens: int) -> None:
-        """Record a finished block and, once both regimes are measured, switch if the other is clearly cheaper."""
+        """Record a finished block; at the end of a probe, or whenever the current regime falls clearly
+        behind what the other one last measured, switch."""
+        probing = self.probing
         self.on.fade(self.decay)
         self.off.fade(self.decay)
         (self.on if used_slim else self.off).observe(seconds, tokens)
         self.block += 1
-        if self.on.seconds_per_token is None or self.off.seconds_per_token is None:
+        if not probing:
+            if self._other_is_cheaper():
+                self._switch()
             return
-        current, other = (self.on, self.off) if self.slim_on else (self.off, self.on)
-        if other.seconds_per_token < (1 - self.margin) * current.seconds_per_token:
+        self.probed_blocks += 1
+        if used_slim != self.slim_on:  # not a block that paid the current regime's debt
+            self.probed_tokens += tokens
+        if self.probed_tokens < self.probe_tokens and self.probed_blocks < self.max_probe_blocks:
+            return
+        self.probed_tokens = self.probed_blocks = 0
+        if self._other_is_cheaper():
             self._switch()
-        elif self.block == self.next_probe + self.probe_blocks:
+        else:
             self._back_off()
+
+    def _other_is_cheaper(self) -> bool:
+        current, other = (self.on, self.off) if self.slim_on else (self.off, self.on)
+        if current.seconds_per_token is None or other.seconds_per_token is None:
+            return False
+        return other.seconds_per_token < (1 - self.margin) * current.seconds_per_token
 
     def _back_off(self) -> None:
         """A probe confirmed the current choice: wait twice as long before the next one."""
