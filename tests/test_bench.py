@@ -140,5 +140,6 @@ def test_bench_cli_runs_every_method_on_spec_bench(tmp_path, capsys):
     assert len(data["outputs"]["viasd"]) == 12
     assert {p.name for p in pictures.iterdir()} == {"speedup_vs_quality.png", "tier_fractions.png"}
     assert sum(data["methods"]["viasd"]["time_shares"].values()) == pytest.approx(1.0)
+    assert all("slim_on_fraction" in row for row in data["methods"]["viasd"]["per_task"].values())
     out = capsys.readouterr().out
     assert "| viasd |" in out and "Speed-up over greedy per task" in out and "Where the time goes" in out

@@ -43,11 +43,15 @@ def markdown(summary: dict[str, dict[str, Any]]) -> str:
 
 
 def per_task_markdown(summary: dict[str, dict[str, Any]]) -> str:
-    """Speed-up over greedy per task and method, with the VIA-SD escalation picture alongside."""
+    """Speed-up over greedy per task and method, then how often the adaptive slim tier ran per task."""
     tasks = list(next(iter(summary.values()))["per_task"])
     lines = ["| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
     for name, row in summary.items():
         lines.append(f"| {name} | " + " | ".join(_cell(row["per_task"][t]["speedup_vs_greedy"]) for t in tasks) + " |")
+    for name, row in summary.items():
+        if row.get("slim_on_fraction") is not None:
+            shares = " | ".join(_cell(row["per_task"][t].get("slim_on_fraction")) for t in tasks)
+            lines.append(f"| {name}: slim tier on (share of blocks) | {shares} |")
     return "\n".join(lines)
 
 

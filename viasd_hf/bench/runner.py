@@ -178,6 +178,12 @@ def _work(outcomes: list[Outcome]) -> dict[str, Any]:
     return row
 
 
+def _task_work(outcomes: list[Outcome]) -> dict[str, Any]:
+    """Per task: who produced the tokens and, for VIA-SD, how often the slim tier ran and escalated."""
+    work = _work(outcomes)
+    return {key: work[key] for key in ("tier_fractions", "slim_on_fraction", "escalation_rate") if key in work}
+
+
 def _time_shares(stats: list[dict[str, Any]]) -> dict[str, float]:
     """Where a VIA-SD decode spends its time: drafter, slim and full passes, and the loop's own overhead."""
     seconds = {part: sum(row["seconds"][part] for row in stats) for part in ("drafter", "slim", "full", "total")}
@@ -222,7 +228,7 @@ def summarise(
         per_task = {
             task: _speed(method_runs, greedy, indexes)
             | {"quality": _quality(examples, method_runs, greedy, indexes, decode)}
-            | {"tier_fractions": _work([method_runs.outcomes[i] for i in indexes])["tier_fractions"]}
+            | _task_work([method_runs.outcomes[i] for i in indexes])
             for task, indexes in by_task.items()
         }
         row = _speed(method_runs, greedy, everything) | _work(method_runs.outcomes)
