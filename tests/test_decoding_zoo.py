@@ -7,11 +7,13 @@ import torch
 
 from conftest import NEAR_TIE_REPORT, first_near_tie, zoo
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
-from viasd_hf.speed import load_prompts
+from viasd_hf.bench.tasks import load_examples
 
 pytestmark = pytest.mark.integration
 
 MAX_NEW = 32
+# writing, roleplay, reasoning: MT-Bench lists its categories in blocks of ten
+FIRST_OF_EACH_MT_BENCH_CATEGORY = [e.prompt for e in load_examples("mt_bench")[:30:10]]
 
 
 def chat(tokenizer, text: str) -> torch.Tensor:
@@ -40,7 +42,7 @@ def reference_greedy(model, ids):
 def test_smollm2_lossless_equals_generate(drafter_kind, prompt_index):
     model, tokenizer = zoo("smollm2-135m-instruct")
     enable_viasd(model)
-    ids = chat(tokenizer, load_prompts(limit=3, per_category=1)[prompt_index])
+    ids = chat(tokenizer, FIRST_OF_EACH_MT_BENCH_CATEGORY[prompt_index])
     reference = reference_greedy(model, ids)
     config = ViaSDConfig(
         routing_mask=RoutingMask.from_model(model, skip=[3]),
@@ -57,7 +59,7 @@ def test_qwen_coder_pair_lossless_equals_generate(prompt_index):
     target, tokenizer = zoo("qwen2.5-coder-1.5b-instruct")
     drafter, _ = zoo("qwen2.5-coder-0.5b-instruct")
     enable_viasd(target)
-    prompts = ["Write a Python function that reverses a string.", load_prompts(limit=1)[0]]
+    prompts = ["Write a Python function that reverses a string.", load_examples("mt_bench", limit=1)[0].prompt]
     ids = chat(tokenizer, prompts[prompt_index])
     reference = reference_greedy(target, ids)
     mask = RoutingMask.from_model(target, skip=[4, 8, 12], drafter_id="qwen2.5-coder-0.5b-instruct")
