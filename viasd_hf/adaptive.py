@@ -67,6 +67,7 @@ class TierController:
     """
 
     slim_on: bool = True  # the starting choice: the offline prediction of the mask, when it has one
+    first_probe: int = 8  # the regime the prior did not pick is measured early, once
     probe_every: int = 32  # blocks between probes after a switch; doubles while probes confirm the choice
     max_probe_every: int = 256
     probe_tokens: int = 32
@@ -84,7 +85,7 @@ class TierController:
 
     def __post_init__(self) -> None:
         self.probe_interval = self.probe_interval or self.probe_every
-        self.next_probe = self.next_probe or self.probe_every
+        self.next_probe = self.next_probe or self.first_probe
 
     @property
     def probing(self) -> bool:
