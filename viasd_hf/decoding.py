@@ -231,18 +231,20 @@ class ViaSDDecoder:
         full model as verifier.
         """
         tau = 1.0 - self.config.cascade_lenience
+        if not self.do_sample:
+            targets = scores.argmax(-1).tolist()
+            for position, token in enumerate(draft.tokens):
+                if token != targets[position] and confidence(full_unscaled[position], token, "ratio") <= tau:
+                    return position, targets[position]
+            return len(draft.tokens), targets[len(draft.tokens)]
         probs = scores.softmax(-1)
         for position, token in enumerate(draft.tokens):
-            if self.do_sample:
-                proposal = draft.probs[position]
-                proposal = one_hot(token, probs[position]) if proposal is None else proposal
-                _, resampled = cascade_step(token, proposal, probs[position], full_unscaled[position], tau)
-                if resampled is not None:
-                    return position, resampled
-            elif token != int(scores[position].argmax()) and confidence(full_unscaled[position], token, "ratio") <= tau:
-                return position, int(scores[position].argmax())
-        bonus = scores[len(draft.tokens)]
-        return len(draft.tokens), sample(probs[len(draft.tokens)]) if self.do_sample else int(bonus.argmax())
+            proposal = draft.probs[position]
+            proposal = one_hot(token, probs[position]) if proposal is None else proposal
+            _, resampled = cascade_step(token, proposal, probs[position], full_unscaled[position], tau)
+            if resampled is not None:
+                return position, resampled
+        return len(draft.tokens), sample(probs[len(draft.tokens)])
 
     def slim_verdicts(self, draft: Draft, slim_unscaled: torch.Tensor, slim_scores: torch.Tensor) -> SlimVerdict:
         """Walk the block with the slim verifier until it stops passing drafts on."""
