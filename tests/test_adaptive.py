@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from conftest import zoo
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
-from viasd_hf.adaptive import DraftLength, TierController
+from viasd_hf.adaptive import BlockCost, DraftLength, RepairLedger, TierController
 
 
 def drive(controller: TierController, cost_on: float, cost_off: float, blocks: int) -> list[bool]:
@@ -16,7 +18,7 @@ def drive(controller: TierController, cost_on: float, cost_off: float, blocks: i
     for _ in range(blocks):
         slim = controller.use_slim()
         choices.append(slim)
-        controller.observe(slim, (cost_on if slim else cost_off) * 4, 4)
+        controller.observe(BlockCost(slim, (cost_on if slim else cost_off) * 4, 4))
     return choices
 
 
@@ -129,8 +131,8 @@ class ScriptedController(TierController):
     def use_slim(self) -> bool:
         return self.pattern[len(self.charged) % len(self.pattern)]
 
-    def observe(self, used_slim: bool, seconds: float, tokens: int) -> None:
-        self.charged.append(used_slim)
+    def observe(self, block: BlockCost) -> None:
+        self.charged.append(block.slim)
 
 
 def test_a_block_that_clears_the_slim_backlog_is_charged_to_the_slim_tier(monkeypatch):
@@ -141,7 +143,7 @@ def test_a_block_that_clears_the_slim_backlog_is_charged_to_the_slim_tier(monkey
 
     target = tiny_causal_lm("llama", seed=0)
     controller = ScriptedController([True, True, False, False])
-    monkeypatch.setattr(decoding, "controller_for", lambda model, mask, key: controller)
+    monkeypatch.setattr(decoding, "controller_for", lambda model, mask, key, lossless: controller)
     backlogs = []
     original_step = decoding.ViaSDDecoder.step
 
@@ -171,9 +173,86 @@ def test_throughput_not_the_mean_of_per_block_ratios_decides():
         slim = controller.use_slim()
         choices.append(slim)
         if slim:
-            controller.observe(True, 0.40, 4)
+            controller.observe(BlockCost(True, 0.40, 4))
         else:
             short = block % 2 == 0
-            controller.observe(False, 0.20 if short else 0.60, 1 if short else 9)
+            controller.observe(BlockCost(False, 0.20 if short else 0.60, 1 if short else 9))
     assert controller.switches and controller.switches[0]["slim_tier"] == "off"
     assert sum(choices[-200:]) < 0.05 * 200
+
+
+def drive_lossless(controller: TierController, blocks: int, slim_share: float, repair_rate: float, seed: int = 0,
+                   tokens: tuple[int, int] = (1, 9)) -> list[bool]:
+    """Lossless blocks of a random 1–9 tokens whose drafting + full pass costs 0.05 s per drafted token; the slim
+    pass costs ``slim_share`` of that and a repair adds a token on ``repair_rate`` of slim blocks."""
+    rng = random.Random(seed)
+    choices = []
+    for _ in range(blocks):
+        slim = controller.use_slim()
+        choices.append(slim)
+        base_tokens = rng.randint(*tokens)
+        base_seconds = 0.05 * (base_tokens + 1)
+        gain = int(slim and rng.random() < repair_rate)
+        slim_seconds = slim_share * base_seconds if slim else 0.0
+        controller.observe(BlockCost(slim, base_seconds + slim_seconds, base_tokens + gain, slim_seconds, gain))
+    return choices
+
+
+def test_the_repair_ledger_prices_the_slim_tier_from_its_pass_and_its_gain():
+    ledger = RepairLedger()
+    for block in range(12):
+        slim = block % 3 == 0
+        ledger.observe(BlockCost(slim, 0.28 if slim else 0.20, 5 if slim else 4, 0.08 if slim else 0.0, int(slim)), 0.9)
+    assert ledger.cost_ratio() == pytest.approx((1 + 0.08 / 0.20) / (1 + 1 / 4))
+    assert ledger.best_case_ratio() == pytest.approx(ledger.cost_ratio())
+    assert "slim pass 80.0 ms for +1.00 tokens per block" in ledger.describe()
+
+
+def test_lossless_repairs_that_cannot_pay_are_probed_once_and_then_left_off():
+    """A slim pass at 40 % of a two-tier block, against at most one more token per block of ~5: even a kept repair
+    in every block cannot pay, however noisy the blocks, so the slim tier is not probed again."""
+    controller = TierController(slim_on=False, estimate=RepairLedger())
+    choices = drive_lossless(controller, 3000, slim_share=0.4, repair_rate=0.3)
+    assert not controller.switches
+    assert sum(choices) <= controller.max_probe_blocks
+
+
+def test_lossless_repairs_that_pay_turn_the_slim_tier_on():
+    """A poor drafter (1–2 tokens per block) and a slim pass at 15 % of a block: a repair kept in 80 % of blocks pays."""
+    controller = TierController(slim_on=False, estimate=RepairLedger())
+    choices = drive_lossless(controller, 400, slim_share=0.15, repair_rate=0.8, tokens=(1, 2))
+    assert controller.switches and controller.switches[0]["slim_tier"] == "on"
+    assert "tokens per block" in controller.switches[0]["reason"]
+    assert sum(choices[-200:]) > 0.9 * 200
+
+
+def test_a_repair_is_credited_by_what_the_full_model_did_with_it():
+    from types import SimpleNamespace
+
+    from viasd_hf.decoding import Repair, ViaSDDecoder
+    from viasd_hf.drafters import Draft
+
+    def credit(repair, committed):
+        decoder = SimpleNamespace(producers=["drafter"] * (len(committed) - 1) + ["full"])
+        return ViaSDDecoder.credit_repair(decoder, repair, committed), decoder.producers
+
+    repair = Repair(Draft(tokens=[5, 9], probs=[None, None]), position=1, replaced=7)
+    assert credit(repair, [5, 9, 4]) == (1, ["drafter", "slim", "full"]), "the full model kept the repaired token"
+    assert credit(repair, [5, 7]) == (-1, ["drafter", "full"]), "it chose the draft the slim tier threw away"
+    assert credit(repair, [5, 3]) == (0, ["drafter", "full"]), "it rejected both"
+    assert credit(repair, [8]) == (0, ["full"]), "it rejected an earlier draft"
+    assert credit(Repair(Draft(tokens=[5, 9], probs=[None, None])), [5, 9, 4])[0] == 0, "no repair, no gain"
+
+
+@pytest.mark.integration
+def test_a_lossless_slim_tier_that_cannot_pay_is_left_off_on_smollm2():
+    model, tokenizer = zoo("smollm2-135m-instruct")
+    enable_viasd(model)
+    mask = RoutingMask.from_model(model, skip=list(range(2, 13)))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "List ten fruits, one per line."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    config = ViaSDConfig(routing_mask=mask, mode="lossless")
+    stats = model.generate(ids, viasd_config=config, max_new_tokens=96, do_sample=False, return_dict_in_generate=True,
+                           prompt_lookup_num_tokens=4).viasd_stats
+    assert not stats.tier_switches
+    assert 0 < stats.slim_on_blocks <= TierController.max_probe_blocks < stats.slim_off_blocks

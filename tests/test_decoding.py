@@ -114,7 +114,7 @@ def test_tiered_with_unit_thresholds_equals_lossless(pair, masks, seed):
     target, assistant = pair
     ids = prompt(seed)
     tiered = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], tau_accept=1.0, tau_escalate=1.0), drafter=assistant)
-    lossless = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], mode="lossless"), drafter=assistant)
+    lossless = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], mode="lossless", adaptive=False), drafter=assistant)
     assert torch.equal(tiered.sequences, lossless.sequences)
     assert tiered.viasd_stats.slim_accepted_tokens == 0
 
@@ -182,7 +182,7 @@ def test_eos_inside_a_block_stops_there(pair, masks):
     expected = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=0)
     out = target.generate(
         ids, custom_generate=viasd_generate, drafter=assistant, max_new_tokens=24, do_sample=False, eos_token_id=eos,
-        pad_token_id=0, viasd_config=ViaSDConfig(routing_mask=masks[0], mode="lossless"),
+        pad_token_id=0, viasd_config=ViaSDConfig(routing_mask=masks[0], mode="lossless", adaptive=False),
         return_dict_in_generate=True,
     )
     assert torch.equal(out.sequences, expected)
@@ -212,7 +212,7 @@ def test_left_padded_prompt_matches_generate(pair, masks):
     ids = torch.cat([torch.zeros((1, 3), dtype=torch.long), prompt(4)], dim=-1)
     attention_mask = torch.cat([torch.zeros((1, 3), dtype=torch.long), torch.ones((1, 10), dtype=torch.long)], dim=-1)
     expected = target.generate(ids, attention_mask=attention_mask, max_new_tokens=20, **GREEDY)
-    out = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], mode="lossless"), drafter=assistant,
+    out = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], mode="lossless", adaptive=False), drafter=assistant,
                 attention_mask=attention_mask, max_new_tokens=20)
     assert torch.equal(out.sequences, expected)
 
@@ -221,7 +221,7 @@ def test_logits_processors_apply_as_in_generate(pair, masks):
     target, assistant = pair
     ids = prompt(6)
     expected = target.generate(ids, max_new_tokens=20, repetition_penalty=1.8, no_repeat_ngram_size=2, **GREEDY)
-    out = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], mode="lossless"), drafter=assistant,
+    out = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], mode="lossless", adaptive=False), drafter=assistant,
                 max_new_tokens=20, repetition_penalty=1.8, no_repeat_ngram_size=2)
     assert torch.equal(out.sequences, expected)
 
@@ -230,7 +230,7 @@ def test_output_scores_match_generate(pair, masks):
     target, assistant = pair
     ids = prompt(7)
     expected = target.generate(ids, max_new_tokens=12, output_scores=True, return_dict_in_generate=True, **GREEDY)
-    out = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], mode="lossless"), drafter=assistant,
+    out = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], mode="lossless", adaptive=False), drafter=assistant,
                 max_new_tokens=12, output_scores=True)
     assert len(out.scores) == len(expected.scores) == 12
     for ours, theirs in zip(out.scores, expected.scores):
@@ -247,7 +247,7 @@ def test_enable_viasd_routes_viasd_config_and_leaves_plain_generate_alone(masks)
     enable_viasd(target)
     assert isinstance(target, ViaSDGenerationMixin)
     assert torch.equal(target.generate(ids, max_new_tokens=16, **GREEDY), before)
-    out = target.generate(ids, assistant_model=assistant, viasd_config=ViaSDConfig(routing_mask=masks[0], mode="lossless"),
+    out = target.generate(ids, assistant_model=assistant, viasd_config=ViaSDConfig(routing_mask=masks[0], mode="lossless", adaptive=False),
                           max_new_tokens=16, return_dict_in_generate=True, **GREEDY)
     assert torch.equal(out.sequences, before)
     assert out.viasd_stats.drafter_forwards > 0
@@ -264,7 +264,7 @@ def test_mixin_on_a_model_class(masks):
     model.load_state_dict(plain.state_dict())
     ids = prompt(9)
     out = model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=12,
-                         viasd_config=ViaSDConfig(routing_mask=masks[0], mode="lossless"), **GREEDY)
+                         viasd_config=ViaSDConfig(routing_mask=masks[0], mode="lossless", adaptive=False), **GREEDY)
     assert torch.equal(out, plain.generate(ids, max_new_tokens=12, **GREEDY))
 
 
@@ -308,7 +308,7 @@ def test_bitsandbytes_4bit_target_runs_end_to_end(tmp_path):
     expected = target.generate(ids, max_new_tokens=12, **GREEDY)
     mask = RoutingMask.from_model(target, skip=[2])
     out = target.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=12, return_dict_in_generate=True,
-                          viasd_config=ViaSDConfig(routing_mask=mask, mode="lossless"), **GREEDY)
+                          viasd_config=ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False), **GREEDY)
     assert out.sequences.shape == expected.shape
     assert out.viasd_stats.new_tokens == 12
 
@@ -323,7 +323,7 @@ def test_peft_target_runs_end_to_end(pair):
     enable_viasd(peft_model)
     mask = RoutingMask.from_model(peft_model, skip=[2])
     out = peft_model.generate(input_ids=ids, assistant_model=assistant, max_new_tokens=12,
-                              viasd_config=ViaSDConfig(routing_mask=mask, mode="lossless"), **GREEDY)
+                              viasd_config=ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False), **GREEDY)
     assert torch.equal(out, expected)
 
 
@@ -336,7 +336,7 @@ def test_accelerate_offloaded_target_equals_generate(tmp_path):
                                                   offload_folder=tmp_path / "offload").eval()
     ids = prompt(11)
     expected = target.generate(ids, max_new_tokens=12, **GREEDY)
-    out = viasd(target, ids, ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[3]), mode="lossless"),
+    out = viasd(target, ids, ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[3]), mode="lossless", adaptive=False),
                 max_new_tokens=12, prompt_lookup_num_tokens=3)
     assert torch.equal(out.sequences, expected)
 

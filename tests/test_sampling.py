@@ -85,12 +85,12 @@ def two_token_tv(models, config, prompt_lookup=False) -> float:
 
 @pytest.mark.parametrize("use_slim", [True, False], ids=["three-tier", "two-tier"])
 def test_lossless_sampling_matches_the_target_distribution(models, use_slim):
-    config = ViaSDConfig(routing_mask=models[2], mode="lossless", use_slim=use_slim, tau_accept=0.5)
+    config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, use_slim=use_slim, tau_accept=0.5)
     assert two_token_tv(models, config) < 0.07
 
 
 def test_lossless_sampling_with_prompt_lookup_matches_the_target(models):
-    config = ViaSDConfig(routing_mask=models[2], mode="lossless", tau_accept=0.5)
+    config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
     assert two_token_tv(models, config, prompt_lookup=True) < 0.07
 
 
@@ -100,12 +100,12 @@ def test_the_tv_bound_catches_a_wrong_residual(models, monkeypatch):
 
     monkeypatch.setattr(decoding, "rejection_step", resample_from_target)
     monkeypatch.setattr(sampling, "rejection_step", resample_from_target)
-    config = ViaSDConfig(routing_mask=models[2], mode="lossless", tau_accept=0.5)
+    config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
     assert two_token_tv(models, config) > 0.07
 
 
 def test_the_tv_bound_catches_a_wrong_proposal(models, monkeypatch):
-    monkeypatch.setattr(decoding.ViaSDDecoder, "repaired_by_slim", lambda self, state, draft: draft)
+    monkeypatch.setattr(decoding.ViaSDDecoder, "repaired_by_slim", lambda self, state, draft: decoding.Repair(draft))
     monkeypatch.setattr(sampling, "cascade_target", lambda p, q, unscaled, tau: q)
     original = decoding.ViaSDDecoder.verify_with_full_model
 
@@ -116,7 +116,7 @@ def test_the_tv_bound_catches_a_wrong_proposal(models, monkeypatch):
         return original(self, state, wrong)
 
     monkeypatch.setattr(decoding.ViaSDDecoder, "verify_with_full_model", verify_against_slim)
-    config = ViaSDConfig(routing_mask=models[2], mode="lossless", tau_accept=0.5)
+    config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
     assert two_token_tv(models, config) > 0.07
 
 

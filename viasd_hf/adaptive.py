@@ -1,11 +1,18 @@
 """Online control of the tiers: run the slim tier only while it pays, and size drafts to acceptance.
 
-The slim tier pays when the full passes it saves outweigh its own passes, i.e. when the
-escalation rate stays below the slim pass's saving (DESIGN §1) — and whether it does depends on
-the machine, the mask and the text. So instead of predicting, the controller measures: seconds
-per committed token in blocks with the slim tier and in blocks without it (exponential moving
-averages, drafting included), uses the cheaper regime, and now and then probes the other one
-so a change of text or load is noticed. Every switch is recorded with its reason.
+Whether the slim tier pays depends on the machine, the mask and the text, so instead of
+predicting, the controller measures and uses the cheaper regime — slim tier on or off — and now
+and then probes the other one, so a change of text or load is noticed. Every switch is recorded
+with its reason. What "measures" means depends on the mode:
+
+- **tiered**: a slim block saves the full pass unless it escalates, so the two regimes are
+  compared by their measured throughput (``WallClock``).
+- **lossless**: the full model verifies every block anyway; the slim tier only adds a pass, and
+  adds at most one token — a repaired draft the full model keeps. So every block measures the
+  two-tier cost (its seconds and tokens less the slim tier's share), and slim blocks measure
+  the slim pass and what its repairs gained (``RepairLedger``). Comparing those is far less noisy
+  than comparing wall time of blocks of one to sixteen tokens, and when even a kept repair in
+  every block could not pay for the slim pass, there is nothing to probe.
 
 A probe of the losing regime costs time, so the interval between probes doubles each time a
 probe confirms the current choice (up to ``max_probe_every``) and resets on a switch: the
@@ -14,13 +21,14 @@ slower than plain two-tier decoding" needs when the slim tier does not pay.
 
 Measurements persist across ``generate`` calls on the same model, mask and drafter (as HF keeps
 its assistant's confidence threshold), so short generations do not pay the warm-up every time.
-The starting choice is the mask's own offline prediction (DIMR's insertion criterion), and a
-switch needs a clear margin, so measurement noise does not flip a good choice.
+The starting choice is the mask's own offline prediction (DIMR's insertion criterion) in tiered
+mode, and off in lossless mode; a switch needs a clear margin, so noise does not flip a good choice.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 from weakref import WeakKeyDictionary
 
 from torch import nn
@@ -29,31 +37,128 @@ from .masks import RoutingMask
 
 
 @dataclass
-class Regime:
-    """Measured cost of one regime (slim tier on or off): faded sums of seconds and of committed tokens.
+class BlockCost:
+    """What one block cost and committed, as the controller sees it."""
 
-    Their ratio is the regime's throughput. A decayed mean of per-block ratios would not be:
-    blocks that commit one token weigh as much as blocks that commit sixteen, which favours
+    slim: bool  # the regime the block is charged to
+    seconds: float
+    tokens: int
+    slim_seconds: float = 0.0  # of ``seconds``, spent in the slim pass
+    repair_gain: int = 0  # lossless: tokens the slim tier's repair added to the block (−1, 0 or 1)
+
+
+@dataclass
+class Regime:
+    """Faded sums of seconds, committed tokens and blocks.
+
+    Seconds over tokens is a throughput. A decayed mean of per-block ratios would not be: blocks
+    that commit one token would weigh as much as blocks that commit sixteen, which favours
     whichever regime has the steadier block sizes rather than the faster one.
     """
 
     seconds: float = 0.0
     tokens: float = 0.0
-    blocks: int = 0
+    blocks: float = 0.0
 
     @property
     def seconds_per_token(self) -> float | None:
-        return self.seconds / self.tokens if self.tokens else None
+        return self.seconds / self.tokens if self.tokens > 0 else None
 
-    def observe(self, seconds: float, tokens: int) -> None:
-        self.blocks += 1
+    def per_block(self, total: float) -> float | None:
+        return total / self.blocks if self.blocks else None
+
+    def observe(self, seconds: float, tokens: float) -> None:
         self.seconds += seconds
         self.tokens += tokens
+        self.blocks += 1
 
     def fade(self, decay: float) -> None:
-        """Age what was measured by one block: the ratio stays, but new blocks outweigh old ones."""
+        """Age what was measured by one block: the ratios stay, but new blocks outweigh old ones."""
         self.seconds *= decay
         self.tokens *= decay
+        self.blocks *= decay
+
+
+class SlimEstimate(Protocol):
+    """What the slim tier does to seconds per committed token, as measured so far."""
+
+    def observe(self, block: BlockCost, decay: float) -> None: ...
+
+    def cost_ratio(self) -> float | None:
+        """Seconds per token with the slim tier over seconds per token without it (``None``: not measured yet)."""
+
+    def best_case_ratio(self) -> float | None:
+        """The lowest ``cost_ratio`` the slim tier could reach here (``None``: no bound known)."""
+
+    def describe(self) -> str: ...
+
+
+@dataclass
+class WallClock:
+    """Tiered mode: each regime's measured throughput, drafting included."""
+
+    on: Regime = field(default_factory=Regime)
+    off: Regime = field(default_factory=Regime)
+
+    def observe(self, block: BlockCost, decay: float) -> None:
+        self.on.fade(decay)
+        self.off.fade(decay)
+        (self.on if block.slim else self.off).observe(block.seconds, block.tokens)
+
+    def cost_ratio(self) -> float | None:
+        on, off = self.on.seconds_per_token, self.off.seconds_per_token
+        return on / off if on is not None and off else None
+
+    def best_case_ratio(self) -> float | None:
+        return None
+
+    def describe(self) -> str:
+        return (
+            f"{self.on.seconds_per_token * 1000:.1f} ms/token with the slim tier vs "
+            f"{self.off.seconds_per_token * 1000:.1f} ms/token without"
+        )
+
+
+@dataclass
+class RepairLedger:
+    """Lossless mode: the two-tier cost, measured on every block, against the slim pass and what its repairs gain.
+
+    A block with the slim tier costs ``B + S`` seconds for ``T + g`` tokens, where ``B`` and ``T``
+    are what drafting and full verification cost and commit (every block measures them) and
+    ``S`` and ``g`` the slim pass and its repair gain (slim blocks measure them). The slim tier
+    pays iff ``g / T > S / B``; since ``g <= 1``, it cannot pay at all once ``S / B >= 1 / T``.
+    """
+
+    base: Regime = field(default_factory=Regime)
+    repairs: Regime = field(default_factory=Regime)  # seconds: slim passes; tokens: repair gains
+
+    def observe(self, block: BlockCost, decay: float) -> None:
+        self.base.fade(decay)
+        self.repairs.fade(decay)
+        self.base.observe(block.seconds - block.slim_seconds, block.tokens - block.repair_gain)
+        if block.slim:
+            self.repairs.observe(block.slim_seconds, block.repair_gain)
+
+    def _ratio(self, gain: float | None) -> float | None:
+        seconds, tokens = self.base.per_block(self.base.seconds), self.base.per_block(self.base.tokens)
+        slim_seconds = self.repairs.per_block(self.repairs.seconds)
+        if gain is None or slim_seconds is None or not seconds or not tokens:
+            return None
+        return (1 + slim_seconds / seconds) / (1 + gain / tokens)
+
+    def cost_ratio(self) -> float | None:
+        return self._ratio(self.repairs.per_block(self.repairs.tokens))
+
+    def best_case_ratio(self) -> float | None:
+        return self._ratio(1.0 if self.repairs.blocks else None)
+
+    def describe(self) -> str:
+        base, repairs = self.base, self.repairs
+        return (
+            f"slim pass {repairs.per_block(repairs.seconds) * 1000:.1f} ms for "
+            f"{repairs.per_block(repairs.tokens):+.2f} tokens per block vs "
+            f"{base.per_block(base.seconds) * 1000:.1f} ms for {base.per_block(base.tokens):.2f} tokens without it"
+        )
 
 
 @dataclass
@@ -63,19 +168,20 @@ class TierController:
     A probe runs the other regime until it has committed ``probe_tokens`` tokens (or for
     ``max_probe_blocks`` blocks): a few blocks of one to sixteen tokens each are too noisy to act
     on, and a wrong switch costs far more than a late one. The decision is taken when the probe
-    ends; between probes, the current regime is compared with what the last probe measured.
+    ends; between probes, the current regime is compared with what the last probe measured. A
+    probe of the slim tier is skipped (and the interval backs off) when the estimate says it
+    cannot win by the margin even at best.
     """
 
-    slim_on: bool = True  # the starting choice: the offline prediction of the mask, when it has one
+    slim_on: bool = True  # the starting choice
+    estimate: SlimEstimate = field(default_factory=WallClock)
     first_probe: int = 8  # the regime the prior did not pick is measured early, once
     probe_every: int = 32  # blocks between probes after a switch; doubles while probes confirm the choice
     max_probe_every: int = 256
     probe_tokens: int = 32
     max_probe_blocks: int = 8
-    decay: float = 0.9  # per block, for both regimes: a probe's blocks outweigh what was measured long ago
+    decay: float = 0.9  # per block: a probe's blocks outweigh what was measured long ago
     margin: float = 0.10  # switch only to a regime that is cheaper by more than this fraction (no flapping on noise)
-    on: Regime = field(default_factory=Regime)
-    off: Regime = field(default_factory=Regime)
     block: int = 0
     switches: list[dict] = field(default_factory=list)
     probe_interval: int = 0  # current blocks between probes (0: not started)
@@ -93,23 +199,23 @@ class TierController:
 
     def use_slim(self) -> bool:
         """Whether the next block runs the slim tier."""
+        if self.probing and not self.slim_on and not self.probed_blocks and not self._slim_could_win():
+            self._back_off()  # probing a slim tier that cannot win even at best would only cost time
         return not self.slim_on if self.probing else self.slim_on
 
-    def observe(self, used_slim: bool, seconds: float, tokens: int) -> None:
+    def observe(self, block: BlockCost) -> None:
         """Record a finished block; at the end of a probe, or whenever the current regime falls clearly
         behind what the other one last measured, switch."""
         probing = self.probing
-        self.on.fade(self.decay)
-        self.off.fade(self.decay)
-        (self.on if used_slim else self.off).observe(seconds, tokens)
+        self.estimate.observe(block, self.decay)
         self.block += 1
         if not probing:
             if self._other_is_cheaper():
                 self._switch()
             return
         self.probed_blocks += 1
-        if used_slim != self.slim_on:  # not a block that paid the current regime's debt
-            self.probed_tokens += tokens
+        if block.slim != self.slim_on:  # not a block that paid the current regime's debt
+            self.probed_tokens += block.tokens
         if self.probed_tokens < self.probe_tokens and self.probed_blocks < self.max_probe_blocks:
             return
         self.probed_tokens = self.probed_blocks = 0
@@ -118,14 +224,18 @@ class TierController:
         else:
             self._back_off()
 
+    def _slim_could_win(self) -> bool:
+        best = self.estimate.best_case_ratio()
+        return best is None or best < 1 - self.margin
+
     def _other_is_cheaper(self) -> bool:
-        current, other = (self.on, self.off) if self.slim_on else (self.off, self.on)
-        if current.seconds_per_token is None or other.seconds_per_token is None:
+        ratio = self.estimate.cost_ratio()
+        if ratio is None:
             return False
-        return other.seconds_per_token < (1 - self.margin) * current.seconds_per_token
+        return ratio > 1 / (1 - self.margin) if self.slim_on else ratio < 1 - self.margin
 
     def _back_off(self) -> None:
-        """A probe confirmed the current choice: wait twice as long before the next one."""
+        """A probe confirmed the current choice (or could not change it): wait twice as long before the next one."""
         self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
         self.next_probe = self.block + self.probe_interval
 
@@ -136,10 +246,7 @@ class TierController:
         self.switches.append({
             "block": self.block,
             "slim_tier": "on" if self.slim_on else "off",
-            "reason": (
-                f"{self.on.seconds_per_token * 1000:.1f} ms/token with the slim tier vs "
-                f"{self.off.seconds_per_token * 1000:.1f} ms/token without"
-            ),
+            "reason": self.estimate.describe(),
         })
 
 
@@ -168,12 +275,17 @@ def predicted_to_pay(mask: RoutingMask) -> bool:
     return not ((delta is not None and delta <= 0) or (speedup is not None and speedup < 1))
 
 
-def controller_for(model: nn.Module, mask: RoutingMask, key: tuple) -> TierController:
+def controller_for(model: nn.Module, mask: RoutingMask, key: tuple, lossless: bool) -> TierController:
     """The controller that has been measuring this model with this mask, drafter and mode (new if none).
 
-    A new controller starts from the mask's offline prediction; measurements then decide.
+    A new tiered controller starts from the mask's offline prediction, a new lossless one with the
+    slim tier off (its repairs add at most one token per block, for a whole slim pass); measurements
+    then decide.
     """
     per_model = _CONTROLLERS.setdefault(model, {})
     if key not in per_model:
-        per_model[key] = TierController(slim_on=predicted_to_pay(mask))
+        if lossless:
+            per_model[key] = TierController(slim_on=False, estimate=RepairLedger())
+        else:
+            per_model[key] = TierController(slim_on=predicted_to_pay(mask), estimate=WallClock())
     return per_model[key]

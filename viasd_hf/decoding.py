@@ -30,7 +30,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .adaptive import DraftLength, controller_for
+from .adaptive import BlockCost, DraftLength, controller_for
 from .architectures import model_type
 from .cache import crop_to, layer_lengths
 from .config import ViaSDConfig
@@ -107,6 +107,15 @@ class SlimVerdict:
     proposals: list[torch.Tensor]
 
 
+@dataclass
+class Repair:
+    """Lossless mode: the draft the full model will verify, and where the slim tier replaced a token (if it did)."""
+
+    draft: Draft
+    position: int | None = None
+    replaced: int | None = None  # the draft token the slim tier threw away
+
+
 class ViaSDDecoder:
     """One generate call's worth of VIA-SD; ``run`` returns the committed sequence."""
 
@@ -140,7 +149,7 @@ class ViaSDDecoder:
         if config.adaptive and slim_mask is not None:
             drafter_identity = (drafter.name, id(getattr(drafter, "model", None)))
             key = (tuple(slim_mask.kept_layers), drafter_identity, config.mode, config.tau_accept, config.tau_escalate)
-            self.controller = controller_for(model, slim_mask, key)
+            self.controller = controller_for(model, slim_mask, key, lossless=config.mode == "lossless")
         self._first_switch = len(self.controller.switches) if self.controller is not None else 0
         longest = min(3 * config.num_draft_tokens, config.max_slim_backlog - 1)
         self.draft_length = DraftLength(config.num_draft_tokens, longest if config.adaptive else config.num_draft_tokens)
@@ -308,23 +317,36 @@ class ViaSDDecoder:
         self.producers = ["drafter"] * accepted + ["slim"]
         return draft.tokens[:accepted] + [verdict.token], slim_scores[: accepted + 1]
 
-    def repaired_by_slim(self, state: DecodingState, draft: Draft) -> Draft:
+    def repaired_by_slim(self, state: DecodingState, draft: Draft) -> Repair:
         """Lossless mode: the slim tier may replace one draft (dropping what followed); the full model verifies all.
 
         Sampling hands the full model the cascade target π of each slim-checked position as the
-        proposal — that is the distribution those tokens now follow.
+        proposal — that is the distribution those tokens now follow, repaired or not.
         """
         slim_unscaled, slim_scores = self.slim_pass(state, draft)
         verdict = self.slim_verdicts(draft, slim_unscaled, slim_scores)
-        accepted = verdict.accepted
-        if verdict.stopped_by is Tier.REGENERATE:
-            self.stats.regenerated_tokens += 1
-            tokens = draft.tokens[:accepted] + [verdict.token]
-        else:
-            tokens = list(draft.tokens)
-        if not self.do_sample:
-            return Draft(tokens=tokens, probs=draft.probs[: len(tokens)])
-        return Draft(tokens=tokens, probs=verdict.proposals)
+        if verdict.stopped_by is not Tier.REGENERATE:
+            return Repair(Draft(tokens=list(draft.tokens), probs=verdict.proposals if self.do_sample else draft.probs))
+        self.stats.regenerated_tokens += 1
+        position = verdict.accepted
+        tokens = draft.tokens[:position] + [verdict.token]
+        probs = verdict.proposals if self.do_sample else draft.probs[: len(tokens)]
+        return Repair(Draft(tokens=tokens, probs=probs), position, draft.tokens[position])
+
+    def credit_repair(self, repair: Repair, committed: list[int]) -> int:
+        """Tokens the slim tier's repair added to a verified block, as far as the block shows; credits a kept repair to it.
+
+        +1 when the full model kept the repaired token (it had chosen otherwise than the draft
+        there, so the block gained that token); −1 when the full model's own token is the draft
+        the slim tier threw away (it would have kept it, and perhaps more); 0 otherwise.
+        """
+        position = repair.position
+        if position is None or len(committed) <= position:
+            return 0
+        if len(committed) > position + 1:
+            self.producers[position] = "slim"
+            return 1
+        return -1 if committed[position] == repair.replaced else 0
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -365,11 +387,14 @@ class ViaSDDecoder:
         must_catch_up = slim_backlog + len(draft.tokens) + 1 > self.config.max_slim_backlog
         wants_slim = self.controller.use_slim() if self.controller is not None else True
         slim_active = self.slim_mask is not None and wants_slim and draft.tokens and not must_catch_up
+        slim_seconds_before, repair_gain = self.stats.seconds["slim"], 0
         if not slim_active:
             self.stats.catch_up_blocks += int(must_catch_up)
             tokens, scores = self.verify_with_full_model(state, draft)
         elif self.config.mode == "lossless":
-            tokens, scores = self.verify_with_full_model(state, self.repaired_by_slim(state, draft))
+            repair = self.repaired_by_slim(state, draft)
+            tokens, scores = self.verify_with_full_model(state, repair.draft)
+            repair_gain = self.credit_repair(repair, tokens)
         else:
             tokens, scores = self.tiered_block(state, draft)
         self.commit(state, tokens, scores)
@@ -377,7 +402,13 @@ class ViaSDDecoder:
         if self.config.adaptive:
             self.draft_length.update(len(draft.tokens), self.stats.accepted_tokens - accepted_before)
         if self.controller is not None:
-            self.controller.observe(self.slim_paid(wants_slim, slim_backlog), time.perf_counter() - started, len(tokens))
+            self.controller.observe(BlockCost(
+                slim=self.slim_paid(wants_slim, slim_backlog),
+                seconds=time.perf_counter() - started,
+                tokens=len(tokens),
+                slim_seconds=self.stats.seconds["slim"] - slim_seconds_before,
+                repair_gain=repair_gain,
+            ))
             self.stats.slim_on_blocks += int(wants_slim)
             self.stats.slim_off_blocks += int(not wants_slim)
         if self.check_invariants:
