@@ -22,11 +22,13 @@ slower than plain two-tier decoding" needs when the slim tier does not pay.
 Measurements persist across ``generate`` calls on the same model, mask and drafter (as HF keeps
 its assistant's confidence threshold), so short generations do not pay the warm-up every time.
 The starting choice is the mask's own offline prediction (DIMR's insertion criterion) in tiered
-mode, and off in lossless mode; a switch needs a clear margin, so noise does not flip a good choice.
+mode, and off in lossless mode. A switch needs evidence beyond the measurements' noise, and a
+switch to the slim tier a clear margin as well: two-tier decoding is the safe choice.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 from weakref import WeakKeyDictionary
@@ -49,34 +51,65 @@ class BlockCost:
 
 @dataclass
 class Regime:
-    """Faded sums of seconds, committed tokens and blocks.
+    """Faded sums of seconds, committed tokens and blocks, and what their spread needs.
 
     Seconds over tokens is a throughput. A decayed mean of per-block ratios would not be: blocks
     that commit one token would weigh as much as blocks that commit sixteen, which favours
-    whichever regime has the steadier block sizes rather than the faster one.
+    whichever regime has the steadier block sizes rather than the faster one. Blocks commit one
+    to sixteen tokens, so a few of them say little: the sums of squares (faded by ``decay²``, as
+    the squared weights fade) give the throughput's standard error.
     """
 
     seconds: float = 0.0
     tokens: float = 0.0
     blocks: float = 0.0
+    seconds_sq: float = 0.0
+    tokens_sq: float = 0.0
+    seconds_tokens: float = 0.0
+    blocks_sq: float = 0.0
 
     @property
     def seconds_per_token(self) -> float | None:
         return self.seconds / self.tokens if self.tokens > 0 else None
 
-    def per_block(self, total: float) -> float | None:
-        return total / self.blocks if self.blocks else None
+    @property
+    def seconds_per_token_error(self) -> float:
+        """Standard error of ``seconds_per_token`` (delta method for a ratio of weighted sums); infinite
+        until there are two blocks' worth of measurements."""
+        rate = self.seconds_per_token
+        effective_blocks = self.blocks**2 / self.blocks_sq if self.blocks_sq else 0.0
+        if rate is None or effective_blocks <= 1.0 + 1e-9:
+            return float("inf")
+        spread = self.seconds_sq - 2 * rate * self.seconds_tokens + rate**2 * self.tokens_sq
+        unbiased = max(spread, 0.0) * effective_blocks / (effective_blocks - 1)
+        return unbiased**0.5 / self.tokens
+
+    @property
+    def seconds_per_block(self) -> float | None:
+        return self.seconds / self.blocks if self.blocks else None
+
+    @property
+    def tokens_per_block(self) -> float | None:
+        return self.tokens / self.blocks if self.blocks else None
 
     def observe(self, seconds: float, tokens: float) -> None:
         self.seconds += seconds
         self.tokens += tokens
         self.blocks += 1
+        self.seconds_sq += seconds**2
+        self.tokens_sq += tokens**2
+        self.seconds_tokens += seconds * tokens
+        self.blocks_sq += 1
 
     def fade(self, decay: float) -> None:
-        """Age what was measured by one block: the ratios stay, but new blocks outweigh old ones."""
+        """Age what was measured by one block: the ratios and their errors stay, but new blocks outweigh old ones."""
         self.seconds *= decay
         self.tokens *= decay
         self.blocks *= decay
+        self.seconds_sq *= decay**2
+        self.tokens_sq *= decay**2
+        self.seconds_tokens *= decay**2
+        self.blocks_sq *= decay**2
 
 
 class SlimEstimate(Protocol):
@@ -84,8 +117,9 @@ class SlimEstimate(Protocol):
 
     def observe(self, block: BlockCost, decay: float) -> None: ...
 
-    def cost_ratio(self) -> float | None:
-        """Seconds per token with the slim tier over seconds per token without it (``None``: not measured yet)."""
+    def cost_ratio(self) -> tuple[float, float] | None:
+        """Seconds per token with the slim tier over seconds per token without it, as the range the
+        measurements allow (``None``: not measured yet)."""
 
     def best_case_ratio(self) -> float | None:
         """The lowest ``cost_ratio`` the slim tier could reach here (``None``: no bound known)."""
@@ -95,27 +129,33 @@ class SlimEstimate(Protocol):
 
 @dataclass
 class WallClock:
-    """Tiered mode: each regime's measured throughput, drafting included."""
+    """Tiered mode: each regime's measured throughput, drafting included, within ``z`` standard errors."""
 
     on: Regime = field(default_factory=Regime)
     off: Regime = field(default_factory=Regime)
+    z: float = 2.5
 
     def observe(self, block: BlockCost, decay: float) -> None:
         self.on.fade(decay)
         self.off.fade(decay)
         (self.on if block.slim else self.off).observe(block.seconds, block.tokens)
 
-    def cost_ratio(self) -> float | None:
+    def cost_ratio(self) -> tuple[float, float] | None:
         on, off = self.on.seconds_per_token, self.off.seconds_per_token
-        return on / off if on is not None and off else None
+        if on is None or not off:
+            return None
+        relative_error = math.hypot(self.on.seconds_per_token_error / on, self.off.seconds_per_token_error / off)
+        spread = math.exp(min(self.z * relative_error, 50.0))  # on the log scale, where a ratio's errors add
+        return on / off / spread, on / off * spread
 
     def best_case_ratio(self) -> float | None:
         return None
 
     def describe(self) -> str:
+        on, off = self.on, self.off
         return (
-            f"{self.on.seconds_per_token * 1000:.1f} ms/token with the slim tier vs "
-            f"{self.off.seconds_per_token * 1000:.1f} ms/token without"
+            f"{on.seconds_per_token * 1000:.1f} ± {on.seconds_per_token_error * 1000:.1f} ms/token with the slim tier "
+            f"vs {off.seconds_per_token * 1000:.1f} ± {off.seconds_per_token_error * 1000:.1f} ms/token without"
         )
 
 
@@ -140,14 +180,15 @@ class RepairLedger:
             self.repairs.observe(block.slim_seconds, block.repair_gain)
 
     def _ratio(self, gain: float | None) -> float | None:
-        seconds, tokens = self.base.per_block(self.base.seconds), self.base.per_block(self.base.tokens)
-        slim_seconds = self.repairs.per_block(self.repairs.seconds)
+        seconds, tokens = self.base.seconds_per_block, self.base.tokens_per_block
+        slim_seconds = self.repairs.seconds_per_block
         if gain is None or slim_seconds is None or not seconds or not tokens:
             return None
         return (1 + slim_seconds / seconds) / (1 + gain / tokens)
 
-    def cost_ratio(self) -> float | None:
-        return self._ratio(self.repairs.per_block(self.repairs.tokens))
+    def cost_ratio(self) -> tuple[float, float] | None:
+        ratio = self._ratio(self.repairs.tokens_per_block)
+        return None if ratio is None else (ratio, ratio)
 
     def best_case_ratio(self) -> float | None:
         return self._ratio(1.0 if self.repairs.blocks else None)
@@ -155,9 +196,8 @@ class RepairLedger:
     def describe(self) -> str:
         base, repairs = self.base, self.repairs
         return (
-            f"slim pass {repairs.per_block(repairs.seconds) * 1000:.1f} ms for "
-            f"{repairs.per_block(repairs.tokens):+.2f} tokens per block vs "
-            f"{base.per_block(base.seconds) * 1000:.1f} ms for {base.per_block(base.tokens):.2f} tokens without it"
+            f"slim pass {repairs.seconds_per_block * 1000:.1f} ms for {repairs.tokens_per_block:+.2f} tokens per block "
+            f"vs {base.seconds_per_block * 1000:.1f} ms for {base.tokens_per_block:.2f} tokens without it"
         )
 
 
@@ -181,7 +221,7 @@ class TierController:
     probe_tokens: int = 32
     max_probe_blocks: int = 8
     decay: float = 0.9  # per block: a probe's blocks outweigh what was measured long ago
-    margin: float = 0.10  # switch only to a regime that is cheaper by more than this fraction (no flapping on noise)
+    margin: float = 0.10  # the slim tier is switched on only when cheaper by more than this fraction
     block: int = 0
     switches: list[dict] = field(default_factory=list)
     probe_interval: int = 0  # current blocks between probes (0: not started)
@@ -229,10 +269,13 @@ class TierController:
         return best is None or best < 1 - self.margin
 
     def _other_is_cheaper(self) -> bool:
+        """Whether the measurements show, beyond their noise, the slim tier costlier (when on) or cheaper by the
+        margin (when off)."""
         ratio = self.estimate.cost_ratio()
         if ratio is None:
             return False
-        return ratio > 1 / (1 - self.margin) if self.slim_on else ratio < 1 - self.margin
+        low, high = ratio
+        return low > 1 if self.slim_on else high < 1 - self.margin
 
     def _back_off(self) -> None:
         """A probe confirmed the current choice (or could not change it): wait twice as long before the next one."""

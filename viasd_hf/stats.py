@@ -21,7 +21,8 @@ class ViaSDStats:
     a block: every committed token was a draft that was accepted (by the slim or the full tier),
     or produced by the slim verifier (regenerated / its bonus token), or produced by the full
     model (correction / bonus). ``committed_by`` splits exactly the committed tokens that way
-    (``drafter`` / ``slim`` / ``full``), so it always sums to ``new_tokens``.
+    (``drafter`` / ``slim`` / ``full``), so it always sums to ``new_tokens``; in lossless mode a
+    slim repair the full model kept counts as accepted but is credited to ``slim`` there.
     """
 
     new_tokens: int = 0
