@@ -247,8 +247,9 @@ def test_enable_viasd_routes_viasd_config_and_leaves_plain_generate_alone(masks)
     enable_viasd(target)
     assert isinstance(target, ViaSDGenerationMixin)
     assert torch.equal(target.generate(ids, max_new_tokens=16, **GREEDY), before)
-    out = target.generate(ids, assistant_model=assistant, viasd_config=ViaSDConfig(routing_mask=masks[0], mode="lossless", adaptive=False),
-                          max_new_tokens=16, return_dict_in_generate=True, **GREEDY)
+    config = ViaSDConfig(routing_mask=masks[0], mode="lossless", adaptive=False)
+    out = target.generate(ids, assistant_model=assistant, viasd_config=config, max_new_tokens=16,
+                          return_dict_in_generate=True, **GREEDY)
     assert torch.equal(out.sequences, before)
     assert out.viasd_stats.drafter_forwards > 0
 
@@ -336,8 +337,8 @@ def test_accelerate_offloaded_target_equals_generate(tmp_path):
                                                   offload_folder=tmp_path / "offload").eval()
     ids = prompt(11)
     expected = target.generate(ids, max_new_tokens=12, **GREEDY)
-    out = viasd(target, ids, ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[3]), mode="lossless", adaptive=False),
-                max_new_tokens=12, prompt_lookup_num_tokens=3)
+    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[3]), mode="lossless", adaptive=False)
+    out = viasd(target, ids, config, max_new_tokens=12, prompt_lookup_num_tokens=3)
     assert torch.equal(out.sequences, expected)
 
 

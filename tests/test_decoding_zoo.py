@@ -63,8 +63,9 @@ def test_qwen_coder_pair_lossless_equals_generate(prompt_index):
     ids = chat(tokenizer, prompts[prompt_index])
     reference = reference_greedy(target, ids)
     mask = RoutingMask.from_model(target, skip=[4, 8, 12], drafter_id="qwen2.5-coder-0.5b-instruct")
-    out = target.generate(ids, assistant_model=drafter, viasd_config=ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False),
-                          max_new_tokens=MAX_NEW, do_sample=False, return_dict_in_generate=True)
+    config = ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False)
+    out = target.generate(ids, assistant_model=drafter, viasd_config=config, max_new_tokens=MAX_NEW, do_sample=False,
+                          return_dict_in_generate=True)
     assert_equal_up_to_near_tie(f"qwen-pair/prompt{prompt_index}", out.sequences, reference)
     assert out.viasd_stats.accepted_tokens > 0
 
@@ -79,6 +80,7 @@ def test_stop_strings_with_a_real_tokenizer():
     expected = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
     out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, stop_strings=[stop], tokenizer=tokenizer,
                          prompt_lookup_num_tokens=4,
-                         viasd_config=ViaSDConfig(routing_mask=RoutingMask.from_model(model, skip=[3]), mode="lossless", adaptive=False))
+                         viasd_config=ViaSDConfig(routing_mask=RoutingMask.from_model(model, skip=[3]), mode="lossless",
+                                                  adaptive=False))
     assert torch.equal(out, expected)
     assert tokenizer.decode(out[0, ids.shape[1]:]).endswith(stop)

@@ -46,6 +46,7 @@ class BlockCost:
     seconds: float
     tokens: int
     slim_seconds: float = 0.0  # of ``seconds``, spent in the slim pass
+    full_seconds: float = 0.0  # of ``seconds``, spent in full passes
     repair_gain: int = 0  # lossless: tokens the slim tier's repair added to the block (−1, 0 or 1)
 
 
@@ -167,31 +168,39 @@ class RepairLedger:
     are what drafting and full verification cost and commit (every block measures them) and
     ``S`` and ``g`` the slim pass and its repair gain (slim blocks measure them). The slim tier
     pays iff ``g / T > S / B``; since ``g <= 1``, it cannot pay at all once ``S / B >= 1 / T``.
+    Until a slim pass has been timed, ``S`` is taken as the kept layers' share of a full pass —
+    less than it costs, as the embeddings and LM head still run — so that bound holds from the
+    first block and a slim tier that cannot pay is never run.
     """
 
+    kept_fraction: float = 1.0  # of the target's layers that the slim pass runs
     base: Regime = field(default_factory=Regime)
     repairs: Regime = field(default_factory=Regime)  # seconds: slim passes; tokens: repair gains
+    full_seconds: float = 0.0  # faded like ``base``: the full passes' share of its seconds
 
     def observe(self, block: BlockCost, decay: float) -> None:
         self.base.fade(decay)
         self.repairs.fade(decay)
+        self.full_seconds = decay * self.full_seconds + block.full_seconds
         self.base.observe(block.seconds - block.slim_seconds, block.tokens - block.repair_gain)
         if block.slim:
             self.repairs.observe(block.slim_seconds, block.repair_gain)
 
-    def _ratio(self, gain: float | None) -> float | None:
+    def _ratio(self, slim_seconds: float | None, gain: float | None) -> float | None:
         seconds, tokens = self.base.seconds_per_block, self.base.tokens_per_block
-        slim_seconds = self.repairs.seconds_per_block
         if gain is None or slim_seconds is None or not seconds or not tokens:
             return None
         return (1 + slim_seconds / seconds) / (1 + gain / tokens)
 
     def cost_ratio(self) -> tuple[float, float] | None:
-        ratio = self._ratio(self.repairs.tokens_per_block)
+        ratio = self._ratio(self.repairs.seconds_per_block, self.repairs.tokens_per_block)
         return None if ratio is None else (ratio, ratio)
 
     def best_case_ratio(self) -> float | None:
-        return self._ratio(1.0 if self.repairs.blocks else None)
+        slim_seconds = self.repairs.seconds_per_block
+        if slim_seconds is None and self.base.blocks:
+            slim_seconds = self.kept_fraction * self.full_seconds / self.base.blocks
+        return self._ratio(slim_seconds, 1.0)
 
     def describe(self) -> str:
         base, repairs = self.base, self.repairs
@@ -328,7 +337,8 @@ def controller_for(model: nn.Module, mask: RoutingMask, key: tuple, lossless: bo
     per_model = _CONTROLLERS.setdefault(model, {})
     if key not in per_model:
         if lossless:
-            per_model[key] = TierController(slim_on=False, estimate=RepairLedger())
+            kept_fraction = len(mask.kept_layers) / mask.num_layers
+            per_model[key] = TierController(slim_on=False, estimate=RepairLedger(kept_fraction))
         else:
             per_model[key] = TierController(slim_on=predicted_to_pay(mask), estimate=WallClock())
     return per_model[key]

@@ -334,7 +334,7 @@ class ViaSDDecoder:
         return Repair(Draft(tokens=tokens, probs=probs), position, draft.tokens[position])
 
     def credit_repair(self, repair: Repair, committed: list[int]) -> int:
-        """Tokens the slim tier's repair added to a verified block, as far as the block shows; credits a kept repair to it.
+        """Tokens the slim tier's repair added to a verified block, as far as the block shows; a kept repair is credited.
 
         +1 when the full model kept the repaired token (it had chosen otherwise than the draft
         there, so the block gained that token); −1 when the full model's own token is the draft
@@ -387,7 +387,7 @@ class ViaSDDecoder:
         must_catch_up = slim_backlog + len(draft.tokens) + 1 > self.config.max_slim_backlog
         wants_slim = self.controller.use_slim() if self.controller is not None else True
         slim_active = self.slim_mask is not None and wants_slim and draft.tokens and not must_catch_up
-        slim_seconds_before, repair_gain = self.stats.seconds["slim"], 0
+        seconds_before, repair_gain = dict(self.stats.seconds), 0
         if not slim_active:
             self.stats.catch_up_blocks += int(must_catch_up)
             tokens, scores = self.verify_with_full_model(state, draft)
@@ -406,7 +406,8 @@ class ViaSDDecoder:
                 slim=self.slim_paid(wants_slim, slim_backlog),
                 seconds=time.perf_counter() - started,
                 tokens=len(tokens),
-                slim_seconds=self.stats.seconds["slim"] - slim_seconds_before,
+                slim_seconds=self.stats.seconds["slim"] - seconds_before["slim"],
+                full_seconds=self.stats.seconds["full"] - seconds_before["full"],
                 repair_gain=repair_gain,
             ))
             self.stats.slim_on_blocks += int(wants_slim)
