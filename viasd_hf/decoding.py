@@ -325,13 +325,15 @@ class ViaSDDecoder:
         """
         slim_unscaled, slim_scores = self.slim_pass(state, draft)
         verdict = self.slim_verdicts(draft, slim_unscaled, slim_scores)
-        if verdict.stopped_by is not Tier.REGENERATE:
-            return Repair(Draft(tokens=list(draft.tokens), probs=verdict.proposals if self.do_sample else draft.probs))
-        self.stats.regenerated_tokens += 1
-        position = verdict.accepted
-        tokens = draft.tokens[:position] + [verdict.token]
+        if verdict.stopped_by is Tier.REGENERATE:
+            self.stats.regenerated_tokens += 1
+            position, replaced = verdict.accepted, draft.tokens[verdict.accepted]
+            tokens = draft.tokens[:position] + [verdict.token]
+        else:
+            position = replaced = None
+            tokens = list(draft.tokens)
         probs = verdict.proposals if self.do_sample else draft.probs[: len(tokens)]
-        return Repair(Draft(tokens=tokens, probs=probs), position, draft.tokens[position])
+        return Repair(Draft(tokens=tokens, probs=probs), position, replaced)
 
     def credit_repair(self, repair: Repair, committed: list[int]) -> int:
         """Tokens the slim tier's repair added to a verified block, as far as the block shows; a kept repair is credited.
@@ -387,7 +389,8 @@ class ViaSDDecoder:
         must_catch_up = slim_backlog + len(draft.tokens) + 1 > self.config.max_slim_backlog
         wants_slim = self.controller.use_slim() if self.controller is not None else True
         slim_active = self.slim_mask is not None and wants_slim and draft.tokens and not must_catch_up
-        seconds_before, repair_gain = dict(self.stats.seconds), 0
+        slim_seconds_before, full_seconds_before = self.stats.seconds["slim"], self.stats.seconds["full"]
+        repair_gain = 0
         if not slim_active:
             self.stats.catch_up_blocks += int(must_catch_up)
             tokens, scores = self.verify_with_full_model(state, draft)
@@ -406,8 +409,8 @@ class ViaSDDecoder:
                 slim=self.slim_paid(wants_slim, slim_backlog),
                 seconds=time.perf_counter() - started,
                 tokens=len(tokens),
-                slim_seconds=self.stats.seconds["slim"] - seconds_before["slim"],
-                full_seconds=self.stats.seconds["full"] - seconds_before["full"],
+                slim_seconds=self.stats.seconds["slim"] - slim_seconds_before,
+                full_seconds=self.stats.seconds["full"] - full_seconds_before,
                 repair_gain=repair_gain,
             ))
             self.stats.slim_on_blocks += int(wants_slim)
