@@ -13,4 +13,4 @@ from viasd_hf.generation import viasd_generate_kwargs
 
 def generate(model, viasd_config=None, **kwargs):
     """``viasd_config`` as in ``enable_viasd``; everything else as in ``model.generate``."""
-    return GenerationMixin.generate(model, **viasd_generate_kwargs(viasd_config or ViaSDConfig(), kwargs))
+    return GenerationMixin.generate(model, **viasd_generate_kwargs(ViaSDConfig() if viasd_config is None else viasd_config, kwargs))

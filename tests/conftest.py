@@ -133,3 +133,76 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- what a VIA-SD call did (issue 11 §6: tests a pass-through to plain ``generate`` would fail) -----------------
+
+
+def assert_stats_consistent(stats, new_tokens: int, mode: str, stopped_inside_block: bool = False) -> None:
+    """The bookkeeping every VIA-SD call satisfies, whatever the drafter or thresholds.
+
+    A full verification commits exactly one token of the full model's own, so ``full_tokens`` counts
+    the full passes after the prefill. In lossless mode the full model verifies every block and the
+    slim tier never commits on its own authority; in tiered mode a slim pass either commits its block
+    or escalates it to one full pass. A stub that decodes with plain ``generate`` and reports empty
+    stats fails the first line.
+    """
+    assert stats.new_tokens == new_tokens
+    assert sum(stats.committed_by.values()) == new_tokens
+    # positions count the drafts the verifying tier saw; in lossless mode a slim repair cuts a draft short
+    # (the replaced token ends it) before the full model sees it
+    if mode == "lossless" and stats.regenerated_tokens:
+        assert sum(stats.drafted_at_position) <= stats.drafted_tokens
+    else:
+        assert stats.drafted_tokens == sum(stats.drafted_at_position)
+    assert stats.accepted_tokens == sum(stats.accepted_at_position)
+    assert 0 <= stats.slim_accepted_tokens <= stats.accepted_tokens <= stats.drafted_tokens
+    assert stats.prefill_forwards in (0, 1)
+    decode_full_forwards = stats.full_forwards - stats.prefill_forwards
+    assert stats.full_tokens == decode_full_forwards
+    committed_or_discarded = stats.accepted_tokens + stats.slim_tokens + stats.full_tokens
+    if stopped_inside_block:
+        assert new_tokens <= committed_or_discarded
+    else:
+        assert new_tokens == committed_or_discarded
+    if mode == "lossless":
+        assert decode_full_forwards == stats.blocks
+        assert stats.slim_forwards <= stats.blocks
+        assert stats.escalated_blocks == stats.slim_accepted_tokens == stats.slim_committed_tokens == stats.slim_tokens == 0
+    else:
+        assert stats.escalated_blocks <= stats.slim_forwards <= stats.blocks
+        assert decode_full_forwards == stats.blocks - stats.slim_forwards + stats.escalated_blocks
+        assert stats.slim_tokens == stats.slim_forwards - stats.escalated_blocks
+        assert stats.slim_committed_tokens == stats.slim_accepted_tokens + stats.slim_tokens
+
+
+def work_done(stats) -> dict:
+    """The counts of a ``ViaSDStats`` (timings left out): two calls that did the same work compare equal."""
+    return {key: value for key, value in stats.to_dict().items() if key not in ("seconds", "tier_switches")}
+
+
+class TokensPerCall:
+    """Records, for every forward call of ``module``, how many tokens it was fed (a forward pre-hook).
+
+    Counts calls of a whole model (``input_ids`` / ``decoder_input_ids``) or of a submodule fed hidden
+    states (``[batch, tokens, hidden]``). Use as a context manager; the hook goes when it exits.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.calls: list[int] = []
+        self.handle = None
+
+    def _record(self, module, args, kwargs):
+        for name in ("input_ids", "decoder_input_ids", "hidden_states", "inputs_embeds"):
+            if kwargs.get(name) is not None:
+                self.calls.append(kwargs[name].shape[1])
+                return
+        self.calls.append(args[0].shape[1])
+
+    def __enter__(self) -> TokensPerCall:
+        self.handle = self.module.register_forward_pre_hook(self._record, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()

@@ -9,7 +9,7 @@ import torch
 
 from conftest import zoo
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
-from viasd_hf.adaptive import BlockCost, DraftLength, RepairLedger, TierController
+from viasd_hf.adaptive import BlockCost, DraftLength, RepairLedger, TierController, measures_wall_clock
 
 
 def drive(controller: TierController, cost_on: float, cost_off: float, blocks: int) -> list[bool]:
@@ -67,7 +67,8 @@ def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2():
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "List ten fruits, one per line."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     common = dict(max_new_tokens=96, do_sample=False, return_dict_in_generate=True, prompt_lookup_num_tokens=4)
-    adaptive = model.generate(ids, viasd_config=ViaSDConfig.paper(routing_mask=bad), **common).viasd_stats
+    measured = ViaSDConfig.paper(routing_mask=bad, tier_switching="measured")
+    adaptive = model.generate(ids, viasd_config=measured, **common).viasd_stats
     forced = model.generate(ids, viasd_config=ViaSDConfig.paper(routing_mask=bad, adaptive=False), **common).viasd_stats
     assert adaptive.slim_off_blocks > adaptive.slim_on_blocks
     assert adaptive.tier_switches and adaptive.tier_switches[0]["slim_tier"] == "off"
@@ -154,7 +155,8 @@ def test_a_block_that_clears_the_slim_backlog_is_charged_to_the_slim_tier(monkey
     monkeypatch.setattr(decoding.ViaSDDecoder, "step", recording_step)
     enable_viasd(target)
     mask = RoutingMask.from_model(target, skip=[2])
-    config = ViaSDConfig(routing_mask=mask, tau_accept=0.0, tau_escalate=0.0)  # the slim tier accepts every draft
+    # the slim tier accepts every draft
+    config = ViaSDConfig(routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, tier_switching="measured")
     out = target.generate(torch.tensor([[3, 17, 5, 3, 17, 5]]), assistant_model=target, viasd_config=config,
                           max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
     wanted = [controller.pattern[i % 4] for i in range(len(backlogs))]
@@ -301,3 +303,55 @@ def test_noisy_blocks_still_let_a_slim_tier_that_pays_switch_on(seed):
     choices = drive_noisy(controller, slim_cost=0.8, seed=seed)
     assert controller.slim_on
     assert sum(choices) > 0.8 * len(choices)
+
+
+def test_auto_tier_switching_measures_only_where_the_choice_cannot_change_the_output():
+    assert measures_wall_clock("auto", lossless=True, do_sample=False)
+    for lossless, do_sample in [(True, True), (False, False), (False, True)]:
+        assert not measures_wall_clock("auto", lossless, do_sample)
+        assert measures_wall_clock("measured", lossless, do_sample)
+        assert not measures_wall_clock("fixed", lossless, do_sample)
+
+
+def test_tier_switching_is_validated():
+    with pytest.raises(ValueError, match="tier_switching must be one of"):
+        ViaSDConfig(tier_switching="wallclock")
+    with pytest.raises(ValueError, match="needs adaptive=True"):
+        ViaSDConfig(adaptive=False, tier_switching="fixed")
+
+
+def generate_stats(target, mask, config: dict, do_sample: bool):
+    from viasd_hf.adaptive import _CONTROLLERS
+
+    _CONTROLLERS.pop(target, None)
+    torch.manual_seed(0)
+    out = target.generate(torch.tensor([[3, 17, 5, 3, 17, 5]]), viasd_config=ViaSDConfig(routing_mask=mask, **config),
+                          prompt_lookup_num_tokens=3, max_new_tokens=24, do_sample=do_sample, pad_token_id=0,
+                          return_dict_in_generate=True)
+    return out.viasd_stats, target in _CONTROLLERS
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_fixed_tier_switching_runs_the_slim_tier_as_the_mask_predicts_and_measures_nothing(do_sample):
+    from conftest import tiny_causal_lm
+
+    target = enable_viasd(tiny_causal_lm("llama", seed=0))
+    mask = RoutingMask.from_model(target, skip=[2])
+    stats, measured = generate_stats(target, mask, {"mode": "tiered"}, do_sample)
+    assert not measured and stats.slim_off_blocks == 0 < stats.slim_on_blocks, "no record: benefit of the doubt"
+    mask.metadata["insertion"] = {"delta": -0.05}
+    stats, measured = generate_stats(target, mask, {"mode": "tiered"}, do_sample)
+    assert not measured and stats.slim_on_blocks == 0 < stats.slim_off_blocks, "predicted not to pay"
+    stats, measured = generate_stats(target, mask, {"mode": "lossless", "tier_switching": "fixed"}, do_sample)
+    assert not measured and stats.slim_on_blocks == 0 < stats.slim_off_blocks, "lossless: off, as a controller starts"
+
+
+@pytest.mark.parametrize("mode", ["tiered", "lossless"])
+def test_measured_tier_switching_hands_the_choice_to_the_persisted_controller(mode):
+    from conftest import tiny_causal_lm
+
+    target = enable_viasd(tiny_causal_lm("llama", seed=0))
+    mask = RoutingMask.from_model(target, skip=[2])
+    assert generate_stats(target, mask, {"mode": mode, "tier_switching": "measured"}, do_sample=True)[1]
+    assert generate_stats(target, mask, {"mode": mode}, do_sample=False)[1] == (mode == "lossless"), "auto"
+

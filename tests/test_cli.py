@@ -1,14 +1,184 @@
-"""The ``viasd`` command end to end on the small zoo model (functional only: no timing is asserted)."""
+"""The ``viasd`` command: its arguments are checked before any model loads (fast), and it runs end to end on the
+small zoo model (integration; functional only: no timing is asserted)."""
 
 from __future__ import annotations
 
-import pytest
+import contextlib
+import io
+import json
+from pathlib import Path
 
+import pytest
+import transformers
+
+from conftest import tiny_causal_lm
+from viasd_hf import cli_args, models
+from viasd_hf.bench.methods import Outcome
+from viasd_hf.bench.runner import MethodRuns, run_methods, summarise
+from viasd_hf.bench.tasks import Example
 from viasd_hf.cli import main
 
-pytestmark = pytest.mark.integration
+SMALL = "smollm2-135m-instruct"
 
 
+class ModelLoaded(Exception):
+    """Raised by every model loader in these tests: reaching one means the arguments passed their checks."""
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise ModelLoaded(args)
+
+    monkeypatch.setattr(models, "load_pretrained", refuse)
+    monkeypatch.setattr(models, "resolve_zoo_model", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", staticmethod(refuse))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(refuse))
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """``viasd ARGV`` in this process: its exit status and what it wrote to stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+@pytest.fixture
+def files(tmp_path) -> dict[str, Path]:
+    """Prompt files good and bad, a file where a folder is wanted, and a model folder (config only)."""
+    paths = {name: tmp_path / name for name in ("prompts.jsonl", "empty.jsonl", "broken.jsonl", "no-prompt.jsonl",
+                                                "prompts.txt", "empty.txt", "a-file", "model")}
+    paths["prompts.jsonl"].write_text("".join(json.dumps({"prompt": f"Say {n}."}) + "\n" for n in range(3)))
+    paths["empty.jsonl"].write_text("\n")
+    paths["broken.jsonl"].write_text('{"prompt": "a"\n')
+    paths["no-prompt.jsonl"].write_text(json.dumps({"text": "a"}) + "\n")
+    paths["prompts.txt"].write_text("one\ntwo\nthree\n")
+    paths["empty.txt"].write_text("")
+    paths["a-file"].write_text("")
+    tiny_causal_lm("llama").config.save_pretrained(paths["model"])
+    return paths
+
+
+def assert_refused(argv: list[str], message: str, code: int = 2) -> None:
+    """One line on stderr that starts with ``message``, the exit status, and no model loaded (no_models raises)."""
+    got, err = run_cli(argv)
+    assert (got, len(err.splitlines())) == (code, 1), (argv, err)
+    assert err.startswith(message), (argv, err)
+
+
+def test_bench_checks_its_arguments_before_loading_models(no_models, files, tmp_path):
+    ok = ["bench", "--target", SMALL, "--drafter", SMALL, "--methods", "greedy,hf_assisted"]
+    prompts = ["--prompts", str(files["prompts.jsonl"])]
+    error = "viasd bench: error: "
+    for argv, message in [
+        (["--target", "qwen2.5-coder-1.5b-instuct"], "--target qwen2.5-coder-1.5b-instuct: unknown model; did you mean "
+                                                     "the zoo model qwen2.5-coder-1.5b-instruct?"),
+        (["--drafter", "./no-such-model"], "--drafter ./no-such-model: no such folder"),
+        (["--drafter", "Org/not-cached-model"], "--drafter Org/not-cached-model: not a zoo name"),
+        (["--drafter", str(files["a-file"])], f"--drafter {files['a-file']}: is a file"),
+        (["--drafter", str(tmp_path)], f"--drafter {tmp_path}: the folder has no config.json"),
+        (["--methods", "greedy,viasdd"], "--methods: unknown method(s) 'viasdd'; choose from greedy,"),
+        (["--methods", "viasd,greedy"], "--methods: the first method must be greedy"),
+        (["--dataset", "spec-bench"], "argument --dataset: invalid choice: 'spec-bench'"),
+        (["--prompts", str(tmp_path / "missing.jsonl")], f"--prompts {tmp_path / 'missing.jsonl'}: "),
+        (["--prompts", str(files["empty.jsonl"])], f"--prompts {files['empty.jsonl']}: no prompts in the file"),
+        (["--prompts", str(files["broken.jsonl"])], f"--prompts {files['broken.jsonl']}: {files['broken.jsonl']}, line 1: "
+                                                    "not valid JSON"),
+        ([*prompts, "--limit", "0"], "argument --limit: expected a whole number >= 1, got 0"),
+        ([*prompts, "--repeats", "0"], "argument --repeats: expected a whole number >= 1, got 0"),
+        ([*prompts, "--max-new-tokens", "ten"], "argument --max-new-tokens: expected a whole number >= 1, got 'ten'"),
+        ([*prompts, "--temperature", "0"], "argument --temperature: expected a number > 0, got 0"),
+        ([*prompts, "--draft-threshold", "1.5"], "argument --draft-threshold: expected a number from 0 to 1, got 1.5"),
+        ([*prompts, "--dtype", "bf16"], "argument --dtype: invalid choice: 'bf16'"),
+        ([*prompts, "--json", str(files["a-file"] / "out.json")], f"--json {files['a-file'] / 'out.json'}: "
+                                                                  f"{files['a-file']} is a file"),
+        ([*prompts, "--json", str(tmp_path)], f"--json {tmp_path}: is a folder; give a file name"),
+        ([*prompts, "--plots", str(files["a-file"])], f"--plots {files['a-file']}: exists and is not a folder"),
+        ([*prompts, "--methods", "greedy,self_spec", "--target", str(files["model"])], "self_spec needs a self-drafting mask"),
+        ([*prompts, "--methods", "greedy,viasd", "--target", str(files["model"])], "no routing mask is known for ("),
+    ]:
+        assert_refused([*ok, *argv], error + message)
+    code, err = run_cli([*ok, *prompts, "--mask", str(tmp_path / "no-mask")])
+    assert code == 2 and err.startswith(f"{error}--mask {tmp_path / 'no-mask'}: no routing mask at ")
+    with pytest.raises(ModelLoaded):  # and valid arguments get as far as loading the models
+        run_cli([*ok, *prompts, "--limit", "1", "--json", str(tmp_path / "new" / "out.json"), "--plots", str(tmp_path / "p")])
+
+
+def test_profile_checks_its_arguments_before_loading_models(no_models):
+    ok = ["profile", "--target", SMALL]
+    error = "viasd profile: error: "
+    for argv, message in [
+        (["--target", "smollm2-135m-instrct"], "--target smollm2-135m-instrct: unknown model; did you mean the zoo model "
+                                               "smollm2-135m-instruct?"),
+        (["--skip-ratios", "0.2,abc"], "argument --skip-ratios: expected a fraction of layers between 0 and 1, got 'abc'"),
+        (["--skip-ratios", "0.2,1.5"], "argument --skip-ratios: expected a fraction of layers between 0 and 1, got 1.5"),
+        (["--skip-ratios", "0.2,"], "argument --skip-ratios: expected a comma-separated list of fractions"),
+        (["--blocks", "1,0"], "argument --blocks: expected a whole number >= 1, got 0"),
+        (["--context", "-5"], "argument --context: expected a whole number >= 1, got -5"),
+        (["--repeats", "0"], "argument --repeats: expected a whole number >= 1, got 0"),
+        (["--dtype", "fp32"], "argument --dtype: invalid choice: 'fp32'"),
+    ]:
+        assert_refused([*ok, *argv], error + message)
+    with pytest.raises(ModelLoaded):
+        run_cli([*ok, "--skip-ratios", "0.1,0.3", "--blocks", "1,4", "--repeats", "2"])
+
+
+def test_search_checks_its_arguments_before_loading_models(no_models, files, tmp_path):
+    ok = ["search", "--target", SMALL, "--prompts", str(files["prompts.txt"]), "--num-prompts", "2", "--num-heldout", "1",
+          "--out", str(tmp_path / "mask")]
+    error = "viasd search: error: "
+    for argv, message in [
+        (["--target", "gemma3-270"], "--target gemma3-270: unknown model; did you mean the zoo model gemma3-270m?"),
+        (["--drafter", "./nope"], "--drafter ./nope: no such folder"),
+        (["--skip-ratio", "0"], "argument --skip-ratio: expected a fraction of layers between 0 and 1, got 0"),
+        (["--skip-ratio", "0.1,x"], "argument --skip-ratio: expected a fraction of layers between 0 and 1, got 'x'"),
+        (["--bo-every", "0"], "argument --bo-every: expected a whole number >= 1, got 0"),
+        (["--iterations", "0"], "argument --iterations: expected a whole number >= 1, got 0"),
+        (["--time-budget", "-1"], "argument --time-budget: expected a number > 0, got -1"),
+        (["--num-heldout", "-1"], "argument --num-heldout: expected a whole number >= 0, got -1"),
+        (["--objective", "speed"], "argument --objective: invalid choice: 'speed'"),
+        (["--dtype", "half"], "argument --dtype: invalid choice: 'half'"),
+        (["--num-prompts", "3"], f"--prompts {files['prompts.txt']}: 3 prompts, fewer than --num-prompts 3 + --num-heldout 1"),
+        (["--prompts", str(tmp_path / "missing.txt")], f"--prompts {tmp_path / 'missing.txt'}: no such file"),
+        (["--prompts", str(files["empty.txt"])], f"--prompts {files['empty.txt']}: 0 prompts, fewer than"),
+        (["--prompts", str(files["empty.jsonl"])], f"--prompts {files['empty.jsonl']}: no prompts in the file"),
+        (["--prompts", str(files["no-prompt.jsonl"])], f"--prompts {files['no-prompt.jsonl']}: a record has no 'prompt' field"),
+        (["--out", str(files["a-file"])], f"--out {files['a-file']}: exists and is not a folder"),
+    ]:
+        assert_refused([*ok, *argv], error + message)
+    with pytest.raises(ModelLoaded):
+        run_cli([*ok, "--drafter", "self", "--skip-ratio", "0.2,0.3"])
+
+
+def test_the_cli_dtypes_are_those_the_loader_accepts():
+    assert set(cli_args.DTYPES) == {*models._DTYPES, "auto"}
+
+
+def test_an_unknown_command_or_a_missing_argument_is_one_line():
+    assert run_cli(["speed"])[0] == 2 and len(run_cli(["speed"])[1].splitlines()) == 1
+    code, err = run_cli(["pull", "--out", "x"])
+    assert code == 2 and err == "viasd pull: error: the following arguments are required: --target (see viasd pull --help)\n"
+
+
+def test_an_empty_run_is_refused_before_it_starts_and_a_silent_greedy_prompt_does_not_crash_the_summary():
+    example = Example(task="custom", prompt="hi")
+    for examples, repeats in (([], 1), ([example], 0)):
+        with pytest.raises(ValueError, match="nothing to run"):
+            run_methods({"greedy": lambda ids, common: None}, None, examples, 8, repeats)
+
+    def runs(tokens: list[list[int]]) -> MethodRuns:
+        outcomes = [Outcome(t, 0.1, max(1, len(t)), None, None, {"drafter": 0, "slim": 0, "full": len(t)}) for t in tokens]
+        return MethodRuns(outcomes=outcomes, seconds=[[0.1] for _ in tokens])
+
+    examples = [example, example]
+    summary = summarise({"greedy": runs([[], [1, 2]]), "other": runs([[3], [1, 2]])}, examples, str, {"greedy": 1, "other": 1})
+    assert summary["other"]["speedup_vs_greedy"] == 1.0  # the prompt greedy answered with nothing is left out
+    summary = summarise({"greedy": runs([[], []]), "other": runs([[3], [4]])}, examples, str, {"greedy": 1, "other": 1})
+    assert summary["other"]["speedup_vs_greedy"] is None and summary["other"]["tokens_per_s"] == 10.0
+
+
+@pytest.mark.integration
 def test_demo_small_prints_text_stats_and_speed(capsys):
     assert main(["demo", "--small", "--max-new-tokens", "12"]) == 0
     out = capsys.readouterr().out
@@ -17,6 +187,7 @@ def test_demo_small_prints_text_stats_and_speed(capsys):
     assert "[mask]" in out
 
 
+@pytest.mark.integration
 def test_profile_reports_slim_and_full_costs(capsys):
     assert main(["profile", "--target", "smollm2-135m-instruct", "--dtype", "float32", "--repeats", "1",
                  "--context", "32"]) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NEAR_TIE_REPORT, first_near_tie, zoo
+from conftest import NEAR_TIE_REPORT, assert_stats_consistent, first_near_tie, zoo
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.bench.tasks import load_examples
 
@@ -50,8 +50,16 @@ def test_smollm2_lossless_equals_generate(drafter_kind, prompt_index):
         mode="lossless", adaptive=False,
     )
     extra = {"prompt_lookup_num_tokens": 5} if drafter_kind == "prompt_lookup" else {}
-    out = model.generate(ids, viasd_config=config, max_new_tokens=MAX_NEW, do_sample=False, **extra)
-    assert_equal_up_to_near_tie(f"smollm2/{drafter_kind}/prompt{prompt_index}", out, reference)
+    out = model.generate(ids, viasd_config=config, max_new_tokens=MAX_NEW, do_sample=False, return_dict_in_generate=True,
+                         **extra)
+    assert_equal_up_to_near_tie(f"smollm2/{drafter_kind}/prompt{prompt_index}", out.sequences, reference)
+    stats = out.viasd_stats
+    new_tokens = out.sequences.shape[1] - ids.shape[1]
+    assert_stats_consistent(stats, new_tokens, "lossless", stopped_inside_block=new_tokens < MAX_NEW)
+    assert stats.slim_forwards > 0
+    if drafter_kind == "self":  # the model itself with 4 of its 30 layers skipped drafts, one forward per token
+        assert stats.drafter_forwards == stats.drafted_tokens > 0
+        assert stats.accepted_tokens >= stats.drafted_tokens / 2, "a drafter this close to the target is mostly right"
 
 
 @pytest.mark.parametrize("prompt_index", range(2))

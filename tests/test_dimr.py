@@ -264,6 +264,7 @@ def test_baselines(model, reference):
 def test_search_command_end_to_end(model, tmp_path, monkeypatch):
     monkeypatch.setenv("VIASD_HOME", str(tmp_path / "home"))
     monkeypatch.setattr("viasd_hf.models.load_pretrained", lambda name, dtype=None: (model, ByteTokenizer()))
+    monkeypatch.setattr("viasd_hf.cli_args.check_model", lambda name, flag: None)  # "tiny" is no zoo name or folder
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"write function number {i}" for i in range(8)))
     parser = argparse.ArgumentParser(prog="viasd")

@@ -8,12 +8,13 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper
 
-from conftest import VOCAB, tiny_t5
-from test_sampling import total_variation
-from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+from conftest import VOCAB, assert_stats_consistent, tiny_t5
+from test_sampling import acceptance, total_variation
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, routed
 from viasd_hf.decoding import ViaSDDecoder
 from viasd_hf.drafters import SelfDrafter
 from viasd_hf.generation import initial_state
+from viasd_hf.sampling import cascade_target
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -42,7 +43,14 @@ def test_t5_lossless_greedy_equals_generate(t5, seed, drafter):
                          viasd_config=ViaSDConfig(routing_mask=slim, self_draft_mask=heavy, mode="lossless",
                                                   adaptive=False), **extra)
     assert torch.equal(out.sequences, expected)
-    assert out.viasd_stats.slim_forwards > 0
+    stats = out.viasd_stats
+    assert_stats_consistent(stats, 16, "lossless")
+    assert stats.prefill_forwards == 0, "the decoder prompt is the start token alone: nothing to prefill"
+    assert stats.accepted_tokens >= 1 and stats.decode_full_forwards == 16 - stats.accepted_tokens
+    assert 0 < stats.slim_forwards <= stats.blocks
+    if drafter == "self":
+        assert stats.drafter_forwards == stats.drafted_tokens >= stats.blocks - 1
+        assert stats.slim_forwards >= stats.blocks - 1
 
 
 def test_t5_tiered_runs_and_counts_add_up(t5):
@@ -53,6 +61,8 @@ def test_t5_tiered_runs_and_counts_add_up(t5):
     assert type(out).__name__ == "ViaSDEncoderDecoderOutput"
     stats = out.viasd_stats
     assert stats.new_tokens == 20 == stats.accepted_tokens + stats.slim_tokens + stats.full_tokens
+    assert_stats_consistent(stats, 20, "tiered")
+    assert stats.slim_committed_tokens > 0 and stats.drafter_forwards == stats.drafted_tokens > 0
 
 
 def test_t5_lossless_sampling_matches_the_target_distribution():
@@ -72,11 +82,30 @@ def test_t5_lossless_sampling_matches_the_target_distribution():
     first = probs(start)
     exact = {(a, b): (first[a] * probs(torch.tensor([[0, a]]))[b]).item() for a in range(vocab) for b in range(vocab)}
     config = ViaSDConfig(routing_mask=slim, mode="lossless", adaptive=False, tau_accept=0.5)
-    counts, n = Counter(), 2500
+    counts, n, stats = Counter(), 2500, []
     for seed in range(n):
         torch.manual_seed(seed)
         state = initial_state(model, start.clone(), {"encoder_outputs": encoder_outputs})
         decoder = ViaSDDecoder(model, SelfDrafter(model, heavy, processors, None, do_sample=True), config, slim, processors,
                                StoppingCriteriaList(), max_length=3, do_sample=True, check_invariants=True)
         counts[tuple(decoder.run(state).ids[0, 1:].tolist())] += 1
+        stats.append(decoder.stats)
     assert total_variation(counts, exact, n) < 0.08
+
+    # the first block drafts one token from p (the heavier mask); the slim tier hands the full model a token
+    # distributed as the cascade π, which the full model keeps with probability Σ min(π, q)
+    @torch.no_grad()
+    def routed_probs(mask):
+        with routed(model, mask):
+            logits = model(decoder_input_ids=start, encoder_outputs=encoder_outputs).logits[:, -1].double()
+        return processors(start, logits).softmax(-1)[0], logits.softmax(-1)[0]
+
+    p, _ = routed_probs(heavy)
+    slim_probs, slim_unscaled = routed_probs(slim)
+    handed_on = cascade_target(p, slim_probs, slim_unscaled, config.tau_accept)
+    assert 0.05 < (p * (slim_unscaled > config.tau_accept * slim_unscaled.max())).sum() < 0.95, "π must mix p and q′"
+    for one in stats:
+        assert_stats_consistent(one, 2, "lossless")
+        assert one.drafted_tokens == one.slim_forwards == 1
+    rate = sum(one.accepted_at_position[0] for one in stats) / n
+    assert abs(rate - acceptance(handed_on, first)) < 5 * 0.5 / n**0.5

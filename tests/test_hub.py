@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import logging
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from huggingface_hub import HfApi, constants, hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError
 
 from conftest import tiny_causal_lm
 from hub_server import FakeHub, serve
-from viasd_hf import RoutingMask, RoutingMaskError, hub, routed
+from viasd_hf import RoutingMask, RoutingMaskError, ViaSDConfig, hub, routed, viasd_generate
+from viasd_hf.cli import main
+from viasd_hf.generation import resolve_mask
+from viasd_hf.mask_cache import clear_mask_cache
 
 REPO = "viasd-test/routing-masks"
 LLAMA = ("tiny-random-llama", "self")
@@ -32,8 +41,11 @@ def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHu
     monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
     monkeypatch.delenv(hub.MASKS_REPO_ENV, raising=False)
     monkeypatch.setattr(hub, "shipped_mask_dir", lambda: tmp_path / "shipped")
+    monkeypatch.setattr(hub, "_UNREACHABLE", set())  # what this process learnt about endpoints stays in this test
+    clear_mask_cache()
     with serve() as server:
         yield server
+    clear_mask_cache()
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +55,24 @@ def llama():
 
 def llama_mask(model, skip=(2, 3), **found_by) -> RoutingMask:
     return RoutingMask.from_model(model, skip=list(skip), objective="R", objective_value=0.125, **found_by)
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """``viasd ARGV`` in this process: its exit status and what it wrote to stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def use_as_default_endpoint(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
+    """What HF_ENDPOINT=endpoint does; huggingface_hub reads it once, at import, into these two constants."""
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+def mask_requests(fake_hub: FakeHub) -> list[tuple[str, str]]:
+    return [request for request in fake_hub.requests if request[1].endswith("/routing_mask.json")]
 
 
 def test_slugs_keep_zoo_names_and_flatten_hub_ids():
@@ -100,18 +130,46 @@ def test_unknown_repo_or_path_names_where_it_looked(fake_hub):
         RoutingMask.from_pretrained("/no/such/mask")
 
 
-def test_unknown_pair_falls_back_to_the_shipped_masks_then_fails_clearly(fake_hub, llama, tmp_path):
+def test_the_default_lookup_falls_back_to_the_shipped_masks_then_fails_clearly(fake_hub, llama, tmp_path, monkeypatch):
     llama_mask(llama).push_to_hub(REPO, endpoint=fake_hub.url)
+    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
     qwen = tiny_causal_lm("qwen2")
     pair = ("tiny-random-qwen2", "self")
     with pytest.raises(RoutingMaskError, match="(?s)no routing mask for target 'tiny-random-qwen2'.*no such file"
                                                ".*masks shipped with viasd_hf.*viasd search"):
-        RoutingMask.from_pretrained(pair, repo_id=REPO, endpoint=fake_hub.url)
+        RoutingMask.from_pretrained(pair, endpoint=fake_hub.url)
 
     shipped = RoutingMask.from_model(qwen, skip=[2])
     shipped.save_pretrained(tmp_path / "shipped" / hub.pair_folder(*pair))
-    assert RoutingMask.from_pretrained(pair, repo_id=REPO, endpoint=fake_hub.url) == shipped
-    assert RoutingMask.from_pretrained(pair, repo_id="viasd-test/nope", endpoint=fake_hub.url) == shipped
+    assert RoutingMask.from_pretrained(pair, endpoint=fake_hub.url) == shipped
+    monkeypatch.setenv(hub.MASKS_REPO_ENV, "viasd-test/nope")
+    assert RoutingMask.from_pretrained(pair, endpoint=fake_hub.url) == shipped
+
+
+def test_an_explicit_repo_or_revision_never_falls_back_to_the_shipped_masks(fake_hub, llama, tmp_path, monkeypatch):
+    llama_mask(llama, skip=[3]).push_to_hub(REPO, endpoint=fake_hub.url)
+    llama_mask(llama, skip=[2]).save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "self")
+    shipped_qwen = RoutingMask.from_model(tiny_causal_lm("qwen2"), skip=[2])
+    shipped_qwen.save_pretrained(tmp_path / "shipped" / "tiny-random-qwen2" / "self")
+    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
+    only_explicit = "shipped with viasd_hf are only used when neither repo_id nor revision is given"
+
+    with pytest.raises(RoutingMaskError, match=f"(?s)'tiny-random-llama'.*viasd-test/nope.*repository not found.*{only_explicit}"):
+        RoutingMask.from_pretrained(LLAMA, repo_id="viasd-test/nope", endpoint=fake_hub.url)
+    with pytest.raises(RoutingMaskError, match=f"(?s)revision 'nope' not found.*{only_explicit}"):
+        RoutingMask.from_pretrained(LLAMA, revision="nope", endpoint=fake_hub.url)
+    with pytest.raises(RoutingMaskError, match=f"(?s)tiny-random-qwen2/self/routing_mask.json: no such file.*{only_explicit}"):
+        RoutingMask.from_pretrained(("tiny-random-qwen2", "self"), repo_id=REPO, endpoint=fake_hub.url)
+    assert RoutingMask.from_pretrained(LLAMA, revision="main", endpoint=fake_hub.url).skipped_layers == [3]
+
+    out = tmp_path / "pulled"
+    for options in (["--repo-id", "viasd-test/nope"], ["--revision", "nope"]):
+        code, err = run_cli(["pull", "--target", "tiny-random-llama", "--endpoint", fake_hub.url, "--out", str(out), *options])
+        assert code == 1
+        assert err.splitlines()[0] == "viasd pull: error: no routing mask for target 'tiny-random-llama' with drafter 'self'. Looked in:"
+        assert only_explicit in err and not out.exists()
+    code, err = run_cli(["pull", "--target", "tiny-random-qwen2", "--endpoint", fake_hub.url, "--out", str(out)])
+    assert (code, err) == (0, "") and RoutingMask.from_pretrained(out) == shipped_qwen
 
 
 def test_offline_the_cached_copy_answers(fake_hub, llama, monkeypatch):
@@ -130,7 +188,8 @@ def test_offline_the_cached_copy_answers(fake_hub, llama, monkeypatch):
 def test_shipped_masks_are_read_without_touching_the_network(fake_hub, llama, tmp_path, monkeypatch):
     mask = llama_mask(llama)
     mask.save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "self")
-    assert RoutingMask.from_pretrained(LLAMA, repo_id=REPO, endpoint=fake_hub.url, local_files_only=True) == mask
+    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
+    assert RoutingMask.from_pretrained(LLAMA, endpoint=fake_hub.url, local_files_only=True) == mask
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert RoutingMask.from_pretrained(LLAMA) == mask  # the default endpoint: would fail if it were asked
     assert fake_hub.requests == []
@@ -186,3 +245,175 @@ def test_a_pulled_mask_for_another_model_refuses_to_apply(fake_hub, llama):
         pass
     with pytest.raises(RoutingMaskError, match="6-layer model.*8 decoder layers"):
         pulled.validate_for(tiny_causal_lm("llama", num_hidden_layers=8))
+
+
+# --------------------------------------------------------------------------- the default lookup, once
+
+
+def test_generate_looks_the_default_mask_up_once(fake_hub, monkeypatch):
+    model = tiny_causal_lm("llama")
+    mask = llama_mask(model)
+    mask.push_to_hub(REPO, endpoint=fake_hub.url)
+    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
+    use_as_default_endpoint(monkeypatch, fake_hub.url)  # generate uses the default endpoint
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    config = ViaSDConfig(tau_accept=0.0, tau_escalate=0.0, adaptive=False)
+
+    def generate():
+        return model.generate(ids, custom_generate=viasd_generate, viasd_config=config, prompt_lookup_num_tokens=2,
+                              max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+
+    first = generate()
+    asked = len(mask_requests(fake_hub))
+    assert asked >= 1 and first.viasd_stats.slim_forwards > 0  # the slim tier ran with the Hub's mask
+    for _ in range(4):
+        assert torch.equal(generate().sequences, first.sequences)
+    assert len(mask_requests(fake_hub)) == asked
+    assert resolve_mask(None, model, "self") == mask and len(mask_requests(fake_hub)) == asked
+
+    other = tiny_causal_lm("llama")  # another model is another lookup
+    assert resolve_mask(None, other, "self") == mask and len(mask_requests(fake_hub)) > asked
+
+
+def test_threads_starting_together_look_a_mask_up_once(monkeypatch):
+    model, found = tiny_causal_lm("llama"), []
+    mask = llama_mask(model)
+
+    def slow_pull(source, **options):
+        found.append(source)
+        time.sleep(0.05)
+        return mask
+
+    monkeypatch.setattr(hub, "pull_mask", slow_pull)
+    clear_mask_cache()
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(resolve_mask(None, model, "self"))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [mask] * 8 and found == [("tiny-random-llama", "self")]
+    assert resolve_mask("org/some-masks", model, "self") == mask and resolve_mask("org/some-masks", model, "x") == mask
+    assert found == [("tiny-random-llama", "self"), "org/some-masks"]
+    clear_mask_cache(model)
+    assert resolve_mask(None, model, "self") == mask and len(found) == 3
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch) -> list[str]:
+    """The default endpoint is a closed local port; every attempt to fetch a mask is logged, and a retry loop fails the test."""
+    httpx2 = pytest.importorskip("httpx2")
+    import huggingface_hub.utils._http as http
+
+    endpoint = "http://127.0.0.1:9"
+    use_as_default_endpoint(monkeypatch, endpoint)
+    attempts: list[str] = []
+    send = httpx2.Client.send
+
+    def counting_send(self, request, *args, **kwargs):
+        assert request.url.host == "127.0.0.1", f"a request left the test: {request.url}"
+        if str(request.url).startswith(endpoint) and request.url.path.endswith("/routing_mask.json"):
+            attempts.append(f"{request.method} {request.url}")  # (the client may also fetch its own metadata)
+        return send(self, request, *args, **kwargs)
+
+    class NoSleep:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def sleep(self, seconds):
+            raise AssertionError(f"the Hub client went into its retry loop ({seconds} s)")
+
+    monkeypatch.setattr(httpx2.Client, "send", counting_send)
+    monkeypatch.setattr(http, "time", NoSleep())
+    return attempts
+
+
+def test_an_unreachable_hub_is_asked_once_and_the_shipped_mask_answers(fake_hub, unreachable_hub, tmp_path):
+    model = tiny_causal_lm("llama")
+    shipped = llama_mask(model, skip=[1])
+    shipped.save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "self")
+    code, err = run_cli(["pull", "--target", "tiny-random-llama", "--repo-id", REPO, "--out", str(tmp_path / "out")])
+    assert code == 1 and "not in the local cache, and the Hub was not reachable" in err  # explicit: no fallback, no wait
+    for _ in range(3):
+        assert resolve_mask(None, model, "self") == shipped
+    assert resolve_mask(None, tiny_causal_lm("llama"), "self") == shipped  # a new lookup: the endpoint is not asked again
+    assert RoutingMask.from_pretrained(LLAMA) == shipped
+    assert len(unreachable_hub) == 1 and unreachable_hub[0].startswith("HEAD ")
+
+
+def test_an_unreachable_hub_lets_the_user_cache_answer(fake_hub, unreachable_hub, tmp_path, monkeypatch):
+    model = tiny_causal_lm("llama")
+    cached = llama_mask(model, skip=[4])
+    cached.push_to_hub(REPO, endpoint=fake_hub.url)
+    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
+    assert RoutingMask.from_pretrained(LLAMA, endpoint=fake_hub.url) == cached  # now in the user cache
+    llama_mask(model, skip=[1]).save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "self")
+    assert resolve_mask(None, model, "self") == cached
+    assert resolve_mask(None, tiny_causal_lm("llama"), "self") == cached
+    assert len(unreachable_hub) == 1
+
+
+# --------------------------------------------------------------------------- pushing next to a malformed mask
+
+
+def test_a_malformed_mask_in_the_repo_does_not_block_later_pushes(fake_hub, llama, caplog):
+    api = HfApi(endpoint=fake_hub.url)
+    llama_mask(llama).push_to_hub(REPO, endpoint=fake_hub.url)
+    good = json.loads(llama_mask(llama).to_json())
+    broken = {
+        "wrong-type": json.dumps(good | {"num_layers": "six"}).encode(),
+        "missing-field": json.dumps({"kept_layers": [0, 5]}).encode(),
+        "binary": b"\xff\xfe\x00\x81 not text",
+        "a-list": b"[0, 1, 2]",
+        "not-json": b"{\"kept_layers\": [0,",
+        "objective-text": json.dumps(good | {"objective_value": "high"}).encode(),
+    }
+    for name, data in broken.items():
+        api.upload_file(path_or_fileobj=data, path_in_repo=f"{name}/self/routing_mask.json", repo_id=REPO)
+
+    qwen = RoutingMask.from_model(tiny_causal_lm("qwen2"), skip=[3])
+    with caplog.at_level(logging.WARNING, logger="viasd_hf.hub"):
+        qwen.push_to_hub(REPO, endpoint=fake_hub.url)
+    card = Path(hf_hub_download(REPO, "README.md", endpoint=fake_hub.url)).read_text()
+    assert "[tiny-random-llama](tiny-random-llama/self/routing_mask.json)" in card
+    assert "[tiny-random-qwen2](tiny-random-qwen2/self/routing_mask.json)" in card
+    for name in broken:
+        assert f"{name}/self" not in card
+        assert any(f"leaving {name}/self/routing_mask.json out of the model card" in m for m in caplog.messages)
+    assert RoutingMask.from_pretrained(("tiny-random-qwen2", "self"), repo_id=REPO, endpoint=fake_hub.url) == qwen
+
+
+# --------------------------------------------------------------------------- `viasd push` and `viasd pull` arguments
+
+
+def test_push_and_pull_report_bad_arguments_in_one_line_before_any_request(fake_hub, llama, tmp_path):
+    folder = tmp_path / "mask"
+    llama_mask(llama).save_pretrained(folder)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "routing_mask.json").write_bytes(b"\xff\xfe binary")
+    (tmp_path / "a-file").write_text("")
+    url = ["--endpoint", fake_hub.url]
+    cases = {
+        ("push", str(tmp_path / "nope"), "--repo-id", REPO, *url): f"viasd push: error: MASK_DIR {tmp_path / 'nope'}: no such folder or file",
+        ("push", str(tmp_path / "bad"), "--repo-id", REPO, *url): f"viasd push: error: MASK_DIR {tmp_path / 'bad'}: not a valid routing mask: ",
+        ("push", str(folder), "--repo-id", "not a repo", *url): "viasd push: error: --repo-id not a repo: not a Hub repo id (",
+        ("push", str(folder), "--repo-id", REPO, "--endpoint", "localhost:8080"): "viasd push: error: --endpoint localhost:8080: not an http(s) URL",
+        ("pull", "--target", "tiny-random-llama", "--out", str(tmp_path / "a-file"), *url): f"viasd pull: error: --out {tmp_path / 'a-file'}: exists and is not a folder",
+        ("pull", "--target", "tiny-random-llama", "--out", str(tmp_path / "a-file" / "x"), *url): f"viasd pull: error: --out {tmp_path / 'a-file' / 'x'}: {tmp_path / 'a-file'} is a file, so no folder can be made there",
+        ("pull", "--target", "/", "--out", str(tmp_path / "o"), *url): "viasd pull: error: --target must name a model",
+        ("pull", "--target", "x", "--repo-id", "a/b/c", "--out", str(tmp_path / "o"), *url): "viasd pull: error: --repo-id a/b/c: not a Hub repo id (",
+    }
+    for argv, message in cases.items():
+        code, err = run_cli(list(argv))
+        assert code == 2, (argv, err)
+        assert len(err.splitlines()) == 1 and err.startswith(message), (argv, err)
+    assert fake_hub.requests == []
+
+
+def test_push_to_an_unreachable_hub_is_one_line(tmp_path, llama, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_test_hub")
+    llama_mask(llama).save_pretrained(tmp_path / "mask")
+    code, err = run_cli(["push", str(tmp_path / "mask"), "--repo-id", REPO, "--endpoint", "http://127.0.0.1:9"])
+    assert code == 1 and err.startswith("viasd push: error: the Hub at http://127.0.0.1:9 did not answer: ")
+    assert len(err.splitlines()) == 1

@@ -19,11 +19,17 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def routed_and_plain_logits(model, mask, ids):
+    """Logits before, inside and after ``routed``; inside, the skipped layers must not run and a kept one must."""
+    layers = decoder_layers(model)
     with torch.no_grad():
         before = model(ids).logits
+        calls = {i: count_submodule_calls(layers[i]) for i in range(len(layers))}
         with routed(model, mask):
             slim = model(ids).logits
+        ran = {i: counter[0] for i, counter in calls.items()}
         after = model(ids).logits
+    assert [i for i, count in ran.items() if count == 0] == mask.skipped_layers
+    assert not torch.equal(before, slim), "skipping layers must change the logits"
     return before, slim, after
 
 

@@ -6,7 +6,7 @@ from .architectures import UnsupportedArchitectureError  # noqa: E402
 from .masks import RoutingMask, RoutingMaskError  # noqa: E402
 from .routing import routed  # noqa: E402
 from .config import ViaSDConfig  # noqa: E402
-from .generation import ViaSDGenerationMixin, enable_viasd, viasd_generate  # noqa: E402
+from .generation import ViaSDGenerationMixin, disable_viasd, enable_viasd, viasd_generate  # noqa: E402
 from .stats import ViaSDStats  # noqa: E402
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "ViaSDConfig",
     "ViaSDGenerationMixin",
     "ViaSDStats",
+    "disable_viasd",
     "enable_viasd",
     "routed",
     "viasd_generate",

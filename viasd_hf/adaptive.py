@@ -24,11 +24,19 @@ its assistant's confidence threshold), so short generations do not pay the warm-
 The starting choice is the mask's own offline prediction (DIMR's insertion criterion) in tiered
 mode, and off in lossless mode. A switch needs evidence beyond the measurements' noise, and a
 switch to the slim tier a clear margin as well: two-tier decoding is the safe choice.
+
+Timings make runs differ. Whether the slim tier runs changes the output in tiered mode (tokens it
+commits are its own) and when sampling (it changes the proposal the full model verifies and which
+random numbers are drawn); only lossless greedy output is the full model's own whatever it does.
+So ``ViaSDConfig.tier_switching`` chooses: ``"measured"`` (this controller), ``"fixed"``
+(``FixedChoice``: its starting choice, kept for the whole call, so seeded calls are reproducible),
+or ``"auto"``: measured exactly where the choice cannot change the output.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 from weakref import WeakKeyDictionary
@@ -317,6 +325,7 @@ class DraftLength:
 
 
 _CONTROLLERS: WeakKeyDictionary[nn.Module, dict[tuple, TierController]] = WeakKeyDictionary()
+_CONTROLLERS_LOCK = threading.Lock()  # concurrent generate calls on one model share the registry
 
 
 def predicted_to_pay(mask: RoutingMask) -> bool:
@@ -334,11 +343,46 @@ def controller_for(model: nn.Module, mask: RoutingMask, key: tuple, lossless: bo
     slim tier off (its repairs add at most one token per block, for a whole slim pass); measurements
     then decide.
     """
-    per_model = _CONTROLLERS.setdefault(model, {})
-    if key not in per_model:
-        if lossless:
-            kept_fraction = len(mask.kept_layers) / mask.num_layers
-            per_model[key] = TierController(slim_on=False, estimate=RepairLedger(kept_fraction))
-        else:
-            per_model[key] = TierController(slim_on=predicted_to_pay(mask), estimate=WallClock())
-    return per_model[key]
+    with _CONTROLLERS_LOCK:
+        per_model = _CONTROLLERS.setdefault(model, {})
+        if key not in per_model:
+            if lossless:
+                kept_fraction = len(mask.kept_layers) / mask.num_layers
+                per_model[key] = TierController(slim_on=False, estimate=RepairLedger(kept_fraction))
+            else:
+                per_model[key] = TierController(slim_on=predicted_to_pay(mask), estimate=WallClock())
+        return per_model[key]
+
+
+def measures_wall_clock(tier_switching: str, lossless: bool, do_sample: bool) -> bool:
+    """Whether the slim tier's on/off choice goes to the wall-clock controller (else to ``FixedChoice``).
+
+    ``"auto"`` hands it over only in lossless greedy decoding: there the full model's argmax picks
+    every token, so the choice changes the speed but not the output.
+    """
+    if tier_switching == "auto":
+        return lossless and not do_sample
+    return tier_switching == "measured"
+
+
+@dataclass
+class FixedChoice:
+    """``tier_switching="fixed"``: the slim tier runs on every block or on none, as a new controller would start.
+
+    That is the mask's offline prediction in tiered mode and off in lossless mode (see
+    ``controller_for``), decided from the mask alone, so neither timings nor earlier calls can
+    change a seeded call's output. It answers the decoder as a ``TierController`` does.
+    """
+
+    slim_on: bool
+    switches: list[dict] = field(default_factory=list)  # stays empty
+
+    @classmethod
+    def for_mask(cls, mask: RoutingMask, lossless: bool) -> FixedChoice:
+        return cls(slim_on=not lossless and predicted_to_pay(mask))
+
+    def use_slim(self) -> bool:
+        return self.slim_on
+
+    def observe(self, block: BlockCost) -> None:
+        """Nothing measured changes a fixed choice."""

@@ -29,14 +29,13 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from .architectures import config_fingerprint, model_config
+from .bench.tasks import data_dir
 from .cache import crop_to, new_cache
 from .masks import RoutingMask
 from .models import viasd_home
 from .routing import routed
 
 SPEC_BENCH_ENV = "VIASD_SPEC_BENCH"
-# The project's evaluation data lives in ``shared/`` beside the repository (as CI lays it out).
-SPEC_BENCH_DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 CACHE_FORMAT = 1
 REFERENCE_BYTES = 1 << 30  # keep full-vocabulary log q in float32 up to this size, else float16
 
@@ -99,7 +98,8 @@ class Calibration:
 
 
 def spec_bench_path() -> Path:
-    return Path(os.environ.get(SPEC_BENCH_ENV) or SPEC_BENCH_DEFAULT)
+    """``$VIASD_SPEC_BENCH``, else Spec-Bench's questions in the evaluation data (``$VIASD_DATA`` or packaged)."""
+    return Path(os.environ.get(SPEC_BENCH_ENV) or data_dir() / "spec_bench" / "question.jsonl")
 
 
 def spec_bench_prompts(path: str | Path | None = None) -> list[Prompt]:

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from .bench.command import add_bench_command
+from .cli_args import DTYPES, CommandError, check_model, positive_int, positive_ints, skip_fractions
 from .dimr import add_search_command
 from .hub import add_hub_commands
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
@@ -31,25 +40,27 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _add_profile(subparsers: argparse._SubParsersAction) -> None:
     profile = subparsers.add_parser("profile", help="cost of a slim forward relative to a full one, on this machine")
-    profile.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    profile.add_argument("--dtype", default="bfloat16")
-    profile.add_argument("--skip-ratios", default="0.25,0.45", help="evenly spaced masks skipping these fractions")
-    profile.add_argument("--context", type=int, default=300, help="tokens already in the KV cache")
-    profile.add_argument("--blocks", default="1,6", help="new tokens per timed forward")
-    profile.add_argument("--repeats", type=int, default=7)
+    profile.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="zoo name, Hub id or local folder")
+    profile.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    profile.add_argument("--skip-ratios", type=skip_fractions, default="0.25,0.45",
+                         help="evenly spaced masks skipping these fractions")
+    profile.add_argument("--context", type=positive_int, default=300, help="tokens already in the KV cache")
+    profile.add_argument("--blocks", type=positive_ints, default="1,6", help="new tokens per timed forward")
+    profile.add_argument("--repeats", type=positive_int, default=7)
     profile.set_defaults(handler=_run_profile)
 
 
 def _run_profile(args: argparse.Namespace) -> int:
+    from .cli_args import load_model
     from .masks import RoutingMask
-    from .models import load_pretrained
     from .profiling import cost_ratios, evenly_spaced_skip, forward_seconds
 
-    model, _ = load_pretrained(args.target, dtype=args.dtype)
+    check_model(args.target, "--target")
+    model, _ = load_model(args.target, args.dtype, "--target")
     masks: dict[str, RoutingMask | None] = {"full": None}
-    for ratio in (float(r) for r in args.skip_ratios.split(",")):
+    for ratio in args.skip_ratios:
         masks[f"slim {ratio:.0%}"] = RoutingMask.from_model(model, skip=evenly_spaced_skip(model, ratio))
-    blocks = tuple(int(n) for n in args.blocks.split(","))
+    blocks = tuple(dict.fromkeys(args.blocks))
     seconds = forward_seconds(model, args.context, blocks, masks, repeats=args.repeats)
     ratios = cost_ratios(seconds)
     print(f"{args.target} ({args.dtype}), KV cache of {args.context} tokens; cost relative to one full 1-token forward")
@@ -62,7 +73,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="viasd", description=__doc__)
+    parser = _Parser(prog="viasd", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_demo(subparsers)
     add_bench_command(subparsers)
@@ -73,8 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
+    """Run one subcommand; a mistake in the arguments is one line on stderr and exit status 2, not a traceback."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help (0), or its usage and one error line (2)
+        return exit_.code if isinstance(exit_.code, int) else 1
+    try:
+        return args.handler(args)
+    except CommandError as error:
+        print(f"viasd {args.command}: error: {error}", file=sys.stderr)
+        return error.exit_status
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import numbers
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,19 @@ from .masks import RoutingMask
 CONFIG_FILENAME = "viasd_config.json"
 MODES = ("tiered", "lossless")
 CONFIDENCE_SIGNALS = ("ratio", "probability")
+TIER_SWITCHING = ("auto", "measured", "fixed")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _wrong_type(name: str, expected: str, value: Any) -> TypeError:
+    return TypeError(f"ViaSDConfig.{name} must be {expected}, got {value!r} ({type(value).__name__})")
 
 
 @dataclass
@@ -27,6 +42,15 @@ class ViaSDConfig:
     (Narasimhan et al., "Faster Cascades via Speculative Decoding", token-specific deferral):
     a draft the full model finds within a factor ``1 − α`` of its favourite is kept. With
     ``use_slim=False`` this is the two-model cascade baseline ``viasd bench`` compares against.
+
+    ``tier_switching`` says how ``adaptive=True`` decides whether the slim tier runs. ``"measured"``:
+    per block, on wall-clock timings remembered across calls on the model — fastest where the mask's
+    offline prediction is wrong, but where that choice changes the output (tiered mode, sampling) the
+    output depends on timing and can differ between identically seeded runs. ``"fixed"``: once per
+    call, from the mask alone (tiered: on unless its DIMR record predicts no gain; lossless: off), so
+    seeded calls are reproducible. ``"auto"``: ``"measured"`` where the choice cannot change the
+    output (lossless greedy), ``"fixed"`` elsewhere. The draft length adapts in every setting (it
+    follows acceptance counts, not time).
     """
 
     num_draft_tokens: int = 5
@@ -39,16 +63,37 @@ class ViaSDConfig:
     tau_escalate: float = 0.5
     mode: str = "tiered"
     adaptive: bool = True  # slim tier only while it pays (measured online); draft length follows acceptance
+    tier_switching: str = "auto"  # adaptive=True: "measured" (wall clock), "fixed" (reproducible) or "auto" (see above)
     max_slim_backlog: int = 16  # tokens committed on the slim tier's authority before the full model must catch up
     cascade_lenience: float | None = None  # α: the full model keeps a draft d when q(d) > (1 − α)·max q (lossy)
 
     def __post_init__(self) -> None:
+        if isinstance(self.routing_mask, dict):
+            self.routing_mask = RoutingMask.from_dict(self.routing_mask)
+        if isinstance(self.self_draft_mask, dict):
+            self.self_draft_mask = RoutingMask.from_dict(self.self_draft_mask)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``TypeError`` (wrong type) or ``ValueError`` (wrong value) naming the first bad field.
+
+        Runs when the config is built and again when ``generate`` uses it, so fields changed after
+        construction are checked too.
+        """
+        self._check_types()
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.draft_confidence_threshold is not None and not 0.0 <= self.draft_confidence_threshold < 1.0:
             raise ValueError(f"draft_confidence_threshold must lie in [0, 1), got {self.draft_confidence_threshold}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.tier_switching not in TIER_SWITCHING:
+            raise ValueError(f"tier_switching must be one of {TIER_SWITCHING}, got {self.tier_switching!r}")
+        if not self.adaptive and self.tier_switching != "auto":
+            raise ValueError(
+                f"tier_switching={self.tier_switching!r} needs adaptive=True: with adaptive=False the slim tier runs "
+                "on every block"
+            )
         if self.confidence not in CONFIDENCE_SIGNALS:
             raise ValueError(f"confidence must be one of {CONFIDENCE_SIGNALS}, got {self.confidence!r}")
         for name in ("tau_accept", "tau_escalate"):
@@ -69,10 +114,35 @@ class ViaSDConfig:
                 f"max_slim_backlog ({self.max_slim_backlog}) must exceed num_draft_tokens ({self.num_draft_tokens}): "
                 "a slim block commits up to num_draft_tokens + 1 tokens"
             )
-        if isinstance(self.routing_mask, dict):
-            self.routing_mask = RoutingMask.from_dict(self.routing_mask)
-        if isinstance(self.self_draft_mask, dict):
-            self.self_draft_mask = RoutingMask.from_dict(self.self_draft_mask)
+
+    def _check_types(self) -> None:
+        for name in ("num_draft_tokens", "max_slim_backlog"):
+            if not _is_int(getattr(self, name)):
+                raise _wrong_type(name, "an int", getattr(self, name))
+        for name in ("use_slim", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise _wrong_type(name, "True or False", getattr(self, name))
+        for name in ("tau_accept", "tau_escalate"):
+            if not _is_real(getattr(self, name)):
+                raise _wrong_type(name, "a number", getattr(self, name))
+        for name in ("draft_confidence_threshold", "cascade_lenience"):
+            if getattr(self, name) is not None and not _is_real(getattr(self, name)):
+                raise _wrong_type(name, "a number or None", getattr(self, name))
+        for name in ("routing_mask", "self_draft_mask"):
+            if not isinstance(getattr(self, name), (RoutingMask, str, os.PathLike, type(None))):
+                expected = "a RoutingMask, a local path or Hub repo id (str), or None"
+                raise _wrong_type(name, expected, getattr(self, name))
+
+    @classmethod
+    def for_call(cls, viasd_config: Any) -> ViaSDConfig:
+        """The config a ``generate`` call runs with (the defaults when none was passed), validated again now."""
+        if viasd_config is None:
+            return cls()
+        if not isinstance(viasd_config, cls):
+            hint = ": build one with ViaSDConfig(**your_dict)" if isinstance(viasd_config, dict) else ""
+            raise TypeError(f"viasd_config must be a ViaSDConfig, got {type(viasd_config).__name__}{hint}")
+        viasd_config.validate()
+        return viasd_config
 
     @classmethod
     def paper(cls, **overrides: Any) -> ViaSDConfig:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -30,16 +31,16 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .adaptive import BlockCost, DraftLength, controller_for
-from .architectures import model_type
+from .adaptive import BlockCost, DraftLength, FixedChoice, TierController, controller_for, measures_wall_clock
+from .architectures import is_encoder_decoder, model_type
 from .cache import crop_to, layer_lengths
 from .config import ViaSDConfig
 from .drafters import Draft, Drafter
 from .masks import RoutingMask
-from .routing import routed
-from .sampling import cascade_step, one_hot, rejection_step, sample
+from .routing import skipping
+from .sampling import RandomStream, cascade_step, one_hot, rejection_step, sample
 from .stats import ViaSDStats
-from .tiers import Tier, confidence, decide
+from .tiers import Tier, allowed_unscaled, confidence, decide
 
 
 class CacheInvariantError(AssertionError):
@@ -55,7 +56,8 @@ class DecodingState:
     full_length: int
     prompt_attention_mask: torch.Tensor | None
     encoder_kwargs: dict[str, Any] = field(default_factory=dict)
-    scores: list[torch.Tensor] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)  # output_scores: one (1, vocab) row per new token
+    logits: list[torch.Tensor] = field(default_factory=list)  # output_logits: likewise, raw
 
     @property
     def length(self) -> int:
@@ -90,6 +92,24 @@ class DecodingState:
         lengths = layer_lengths(self.full_cache)
         if any(length != self.full_length for length in lengths):
             raise CacheInvariantError(f"full cache layer lengths {lengths} != processed tokens {self.full_length}")
+
+
+@dataclass
+class TierLogits:
+    """What one pass of the slim verifier or the full model says about each draft position and one beyond.
+
+    ``logits`` are raw (float32, what ``output_logits`` returns), ``scores`` processed as ``generate``
+    processes them (what ``output_scores`` returns and tokens are chosen from), and ``unscaled`` the
+    raw probabilities over the tokens the processors allow, which the tier thresholds compare
+    (``tiers.allowed_unscaled``): a token the processors forbid has confidence 0 there.
+    """
+
+    logits: torch.Tensor
+    scores: torch.Tensor
+
+    @cached_property
+    def unscaled(self) -> torch.Tensor:
+        return allowed_unscaled(self.logits, self.scores)
 
 
 @dataclass
@@ -130,6 +150,7 @@ class ViaSDDecoder:
         max_length: int,
         streamer: BaseStreamer | None = None,
         keep_scores: bool = False,
+        keep_logits: bool = False,
         check_invariants: bool = False,
         do_sample: bool = False,
     ) -> None:
@@ -142,19 +163,27 @@ class ViaSDDecoder:
         self.max_length = max_length
         self.streamer = streamer
         self.keep_scores = keep_scores
+        self.keep_logits = keep_logits
         self.check_invariants = check_invariants
         self.do_sample = do_sample
         self.stats = ViaSDStats()
-        self.controller = None
-        if config.adaptive and slim_mask is not None:
-            drafter_identity = (drafter.name, id(getattr(drafter, "model", None)))
-            key = (tuple(slim_mask.kept_layers), drafter_identity, config.mode, config.tau_accept, config.tau_escalate)
-            self.controller = controller_for(model, slim_mask, key, lossless=config.mode == "lossless")
+        self.rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of this call
+        adaptive_tiers = config.adaptive and slim_mask is not None
+        self.controller = self._tier_choice(drafter, slim_mask) if adaptive_tiers else None
         self._first_switch = len(self.controller.switches) if self.controller is not None else 0
         longest = min(3 * config.num_draft_tokens, config.max_slim_backlog - 1)
         self.draft_length = DraftLength(config.num_draft_tokens, longest if config.adaptive else config.num_draft_tokens)
         self.finished = False
         self.producers: list[str] = []  # who produced each token of the block being committed
+
+    def _tier_choice(self, drafter: Drafter, slim_mask: RoutingMask) -> TierController | FixedChoice:
+        """What decides, block by block, whether the slim tier runs (``ViaSDConfig.tier_switching``)."""
+        config, lossless = self.config, self.config.mode == "lossless"
+        if not measures_wall_clock(config.tier_switching, lossless, self.do_sample):
+            return FixedChoice.for_mask(slim_mask, lossless)
+        drafter_identity = (drafter.name, id(getattr(drafter, "model", None)))
+        key = (tuple(slim_mask.kept_layers), drafter_identity, config.mode, config.tau_accept, config.tau_escalate)
+        return controller_for(self.model, slim_mask, key, lossless=lossless)
 
     # -- passes ----------------------------------------------------------------------------
 
@@ -175,36 +204,38 @@ class ViaSDDecoder:
         feed = torch.cat([state.ids[:, state.full_length :], state.ids.new_tensor([draft.tokens])], dim=-1)
         return state.forward(self.model, feed, state.full_length, state.full_cache, keep=len(draft.tokens) + 1)
 
-    def slim_pass(self, state: DecodingState, draft: Draft) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slim verifier's unscaled probabilities and processed scores for each draft position and one beyond."""
+    def _tier_logits(self, state: DecodingState, draft: Draft, logits: torch.Tensor) -> TierLogits:
+        return TierLogits(logits.float(), self._scores(state, draft, logits))
+
+    def slim_pass(self, state: DecodingState, draft: Draft) -> TierLogits:
+        """The slim verifier's view of each draft position and one beyond."""
         started = time.perf_counter()
-        with routed(self.model, self.slim_mask):
+        with skipping(self.model, self.slim_mask.skipped_layers):  # validated when the call began
             logits = self._forward_unprocessed(state, draft)
         crop_to(state.full_cache, state.full_length)
         self.stats.slim_forwards += 1
         self.stats.seconds["slim"] += time.perf_counter() - started
-        return logits.float().softmax(-1), self._scores(state, draft, logits)
+        return self._tier_logits(state, draft, logits)
 
-    def full_pass(self, state: DecodingState, draft: Draft) -> torch.Tensor:
-        """The full model's raw logits for each draft position and one beyond (its bonus)."""
+    def full_pass(self, state: DecodingState, draft: Draft) -> TierLogits:
+        """The full model's view of each draft position and one beyond (its bonus)."""
         started = time.perf_counter()
         logits = self._forward_unprocessed(state, draft)
         self.stats.full_forwards += 1
         self.stats.seconds["full"] += time.perf_counter() - started
-        return logits
+        return self._tier_logits(state, draft, logits)
 
     # -- tier decisions ----------------------------------------------------------------------
 
-    def verify_with_full_model(self, state: DecodingState, draft: Draft) -> tuple[list[int], torch.Tensor]:
+    def verify_with_full_model(self, state: DecodingState, draft: Draft) -> tuple[list[int], TierLogits]:
         """Standard verification: keep the drafts the full model accepts, then add the full model's own token."""
-        logits = self.full_pass(state, draft)
-        scores = self._scores(state, draft, logits)
+        full = self.full_pass(state, draft)
         if self.config.cascade_lenience is not None:
-            accepted, own_token = self._cascade_verification(draft, logits.float().softmax(-1), scores)
+            accepted, own_token = self._cascade_verification(draft, full.unscaled, full.scores)
         elif self.do_sample:
-            accepted, own_token = self._sampled_verification(draft, scores.softmax(-1))
+            accepted, own_token = self._sampled_verification(draft, full.scores.softmax(-1))
         else:
-            accepted, own_token = self._greedy_verification(draft, scores.argmax(-1).tolist())
+            accepted, own_token = self._greedy_verification(draft, full.scores.argmax(-1).tolist())
         for position in range(len(draft.tokens)):
             self.stats.record_position(position, position < accepted)
         state.full_length = state.length + accepted
@@ -212,7 +243,7 @@ class ViaSDDecoder:
         self.stats.accepted_tokens += accepted
         self.stats.full_tokens += 1
         self.producers = ["drafter"] * accepted + ["full"]
-        return draft.tokens[:accepted] + [own_token], scores[: accepted + 1]
+        return draft.tokens[:accepted] + [own_token], full
 
     @staticmethod
     def _greedy_verification(draft: Draft, targets: list[int]) -> tuple[int, int]:
@@ -221,16 +252,15 @@ class ViaSDDecoder:
             accepted += 1
         return accepted, targets[accepted]
 
-    @staticmethod
-    def _sampled_verification(draft: Draft, target_probs: torch.Tensor) -> tuple[int, int]:
+    def _sampled_verification(self, draft: Draft, target_probs: torch.Tensor) -> tuple[int, int]:
         """Rejection sampling against each draft's proposal; the output is distributed exactly as the target."""
         for position, token in enumerate(draft.tokens):
             proposal = draft.probs[position]
             proposal = one_hot(token, target_probs[position]) if proposal is None else proposal
-            resampled = rejection_step(token, proposal, target_probs[position])
+            resampled = rejection_step(token, proposal, target_probs[position], self.rng)
             if resampled is not None:
                 return position, resampled
-        return len(draft.tokens), sample(target_probs[len(draft.tokens)])
+        return len(draft.tokens), sample(target_probs[len(draft.tokens)], self.rng)
 
     def _cascade_verification(self, draft: Draft, full_unscaled: torch.Tensor, scores: torch.Tensor) -> tuple[int, int]:
         """Speculative cascade: a draft is kept when the full model finds it within ``1 − α`` of its favourite.
@@ -250,10 +280,10 @@ class ViaSDDecoder:
         for position, token in enumerate(draft.tokens):
             proposal = draft.probs[position]
             proposal = one_hot(token, probs[position]) if proposal is None else proposal
-            _, resampled = cascade_step(token, proposal, probs[position], full_unscaled[position], tau)
+            _, resampled = cascade_step(token, proposal, probs[position], full_unscaled[position], tau, self.rng)
             if resampled is not None:
                 return position, resampled
-        return len(draft.tokens), sample(probs[len(draft.tokens)])
+        return len(draft.tokens), sample(probs[len(draft.tokens)], self.rng)
 
     def slim_verdicts(self, draft: Draft, slim_unscaled: torch.Tensor, slim_scores: torch.Tensor) -> SlimVerdict:
         """Walk the block with the slim verifier until it stops passing drafts on."""
@@ -288,20 +318,20 @@ class ViaSDDecoder:
             proposal = draft.probs[position]
             proposal = one_hot(token, slim_probs[position]) if proposal is None else proposal
             target, resampled = cascade_step(
-                token, proposal, slim_probs[position], slim_unscaled[position], self.config.tau_accept
+                token, proposal, slim_probs[position], slim_unscaled[position], self.config.tau_accept, self.rng
             )
             verdict.proposals.append(target)
             if resampled is not None:
                 verdict.stopped_by, verdict.token = Tier.REGENERATE, resampled
                 return verdict
             verdict.accepted += 1
-        verdict.token = sample(slim_probs[len(draft.tokens)])
+        verdict.token = sample(slim_probs[len(draft.tokens)], self.rng)
         return verdict
 
-    def tiered_block(self, state: DecodingState, draft: Draft) -> tuple[list[int], torch.Tensor]:
+    def tiered_block(self, state: DecodingState, draft: Draft) -> tuple[list[int], TierLogits]:
         """The paper's block: the slim tier commits on its own authority unless a token is escalated."""
-        slim_unscaled, slim_scores = self.slim_pass(state, draft)
-        verdict = self.slim_verdicts(draft, slim_unscaled, slim_scores)
+        slim = self.slim_pass(state, draft)
+        verdict = self.slim_verdicts(draft, slim.unscaled, slim.scores)
         if verdict.stopped_by is Tier.ESCALATE:
             self.stats.escalated_blocks += 1
             self.stats.escalated_tokens += 1
@@ -315,7 +345,7 @@ class ViaSDDecoder:
         self.stats.slim_tokens += 1
         self.stats.slim_committed_tokens += accepted + 1
         self.producers = ["drafter"] * accepted + ["slim"]
-        return draft.tokens[:accepted] + [verdict.token], slim_scores[: accepted + 1]
+        return draft.tokens[:accepted] + [verdict.token], slim
 
     def repaired_by_slim(self, state: DecodingState, draft: Draft) -> Repair:
         """Lossless mode: the slim tier may replace one draft (dropping what followed); the full model verifies all.
@@ -323,8 +353,8 @@ class ViaSDDecoder:
         Sampling hands the full model the cascade target π of each slim-checked position as the
         proposal — that is the distribution those tokens now follow, repaired or not.
         """
-        slim_unscaled, slim_scores = self.slim_pass(state, draft)
-        verdict = self.slim_verdicts(draft, slim_unscaled, slim_scores)
+        slim = self.slim_pass(state, draft)
+        verdict = self.slim_verdicts(draft, slim.unscaled, slim.scores)
         if verdict.stopped_by is Tier.REGENERATE:
             self.stats.regenerated_tokens += 1
             position, replaced = verdict.accepted, draft.tokens[verdict.accepted]
@@ -352,20 +382,35 @@ class ViaSDDecoder:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def commit(self, state: DecodingState, tokens: list[int], scores: torch.Tensor) -> None:
-        """Append tokens one at a time, honouring max length and stopping criteria mid-block."""
+    def commit(self, state: DecodingState, tokens: list[int], logits: TierLogits) -> None:
+        """Append tokens one at a time, honouring max length and stopping criteria mid-block.
+
+        Row ``i`` of ``logits`` is the pass that chose token ``i`` (slim verifier or full model).
+        """
         for i, (token, producer) in enumerate(zip(tokens, self.producers)):
             state.ids = torch.cat([state.ids, state.ids.new_tensor([[token]])], dim=-1)
             self.stats.new_tokens += 1
             self.stats.committed_by[producer] += 1
-            if self.keep_scores:
-                state.scores.append(scores[i : i + 1])
+            self.keep_outputs(state, logits, i)
             if self.streamer is not None:
                 self.streamer.put(state.ids[:, -1:].cpu())
-            if state.length >= self.max_length or bool(self.stopping_criteria(state.ids, None).any()):
+            if self.should_stop(state):
                 self.finished = True
                 return
         self.drafter.commit(state)
+
+    def keep_outputs(self, state: DecodingState, logits: TierLogits, row: int) -> None:
+        """The committed token's processed scores and raw logits, shaped (1, vocab) as ``generate`` returns them."""
+        if self.keep_scores:
+            state.scores.append(logits.scores[row : row + 1])
+        if self.keep_logits:
+            state.logits.append(logits.logits[row : row + 1])
+
+    def should_stop(self, state: DecodingState) -> bool:
+        """Max length or a stopping criterion. Criteria get ``scores`` as ``generate`` passes them: the tuple of
+        every new token's processed scores when ``output_scores`` keeps them, else ``None``."""
+        scores = tuple(state.scores) if self.keep_scores else None
+        return state.length >= self.max_length or bool(self.stopping_criteria(state.ids, scores).any())
 
     def prefill(self, state: DecodingState) -> None:
         """The full model processes the prompt but its last token, which opens the first block."""
@@ -382,7 +427,8 @@ class ViaSDDecoder:
         started = time.perf_counter()
         accepted_before = self.stats.accepted_tokens
         room = self.max_length - state.length
-        draft = self.drafter.draft(state, min(self.draft_length.length, room - 1)) if room > 1 else Draft([], [])
+        length = min(self.draft_length.length, room - 1)
+        draft = self.drafter.draft(state, length, self.rng) if room > 1 else Draft([], [])
         self.stats.blocks += 1
         self.stats.drafted_tokens += len(draft.tokens)
         slim_backlog = state.length - state.full_length - 1
@@ -393,14 +439,14 @@ class ViaSDDecoder:
         repair_gain = 0
         if not slim_active:
             self.stats.catch_up_blocks += int(must_catch_up)
-            tokens, scores = self.verify_with_full_model(state, draft)
+            tokens, logits = self.verify_with_full_model(state, draft)
         elif self.config.mode == "lossless":
             repair = self.repaired_by_slim(state, draft)
-            tokens, scores = self.verify_with_full_model(state, repair.draft)
+            tokens, logits = self.verify_with_full_model(state, repair.draft)
             repair_gain = self.credit_repair(repair, tokens)
         else:
-            tokens, scores = self.tiered_block(state, draft)
-        self.commit(state, tokens, scores)
+            tokens, logits = self.tiered_block(state, draft)
+        self.commit(state, tokens, logits)
         self.stats.peak_slim_backlog = max(self.stats.peak_slim_backlog, state.length - state.full_length - 1)
         if self.config.adaptive:
             self.draft_length.update(len(draft.tokens), self.stats.accepted_tokens - accepted_before)
@@ -443,15 +489,67 @@ class ViaSDDecoder:
         return state
 
 
-def check_supported(model: nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
-    """Refuse, with the reason, what this decoder does not do yet."""
+def check_supported(
+    model: nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any]
+) -> None:
+    """Refuse, with the reason, what this decoder does not do (yet).
+
+    ``generation_config`` is checked first: ``generate`` has already expanded ``input_ids`` for
+    ``num_beams`` and ``num_return_sequences``, which would otherwise look like a batch.
+    """
     model_type(model)
+    check_generation_config(generation_config)
+    check_prompt(model, input_ids, model_kwargs)
+
+
+def check_generation_config(generation_config: GenerationConfig) -> None:
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError(
+            f"VIA-SD does not support beam search (num_beams={generation_config.num_beams}); use num_beams=1"
+        )
+    if (generation_config.num_return_sequences or 1) > 1:
+        raise ValueError(
+            f"VIA-SD returns one sequence per prompt (num_return_sequences={generation_config.num_return_sequences}); "
+            "use num_return_sequences=1 and call generate again for more samples"
+        )
+    if generation_config.return_dict_in_generate:
+        for flag, what in (("output_attentions", "attentions"), ("output_hidden_states", "hidden states")):
+            if getattr(generation_config, flag, False):
+                raise ValueError(
+                    f"VIA-SD cannot return {what} ({flag}=True): its tokens come from passes of different models "
+                    f"(drafter, slim verifier, full model) over different positions, so there are no per-step {what} "
+                    f"as generate returns them; drop {flag}, or use plain generate"
+                )
+
+
+def check_prompt(model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> None:
+    """One non-empty sequence of token ids, with an attention mask (if any) of the same length."""
+    if not is_encoder_decoder(model) and model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "VIA-SD cannot use inputs_embeds: every tier (drafter, prompt lookup, slim verifier, full model) is fed "
+            "token ids; pass input_ids only"
+        )
     if input_ids.shape[0] != 1:
         raise ValueError(
             f"VIA-SD decodes one sequence at a time (like HF assisted generation), got a batch of {input_ids.shape[0]}; "
             "call generate once per prompt"
         )
-    if (generation_config.num_beams or 1) > 1:
-        raise ValueError("VIA-SD does not support beam search; use num_beams=1")
-    if (generation_config.num_return_sequences or 1) > 1:
-        raise ValueError("VIA-SD returns one sequence per prompt; use num_return_sequences=1")
+    if input_ids.shape[1] == 0:
+        raise ValueError("VIA-SD needs a prompt of at least one token, got empty input_ids; start from the BOS token")
+    if is_encoder_decoder(model):
+        return  # the attention mask there is the encoder's
+    width = _attention_mask_width(input_ids, model_kwargs)
+    if width != input_ids.shape[1]:
+        raise ValueError(
+            f"attention_mask has {width} positions but input_ids has {input_ids.shape[1]} tokens; "
+            "pass an attention_mask with one entry per input token"
+        )
+
+
+def _attention_mask_width(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> int:
+    """The positions the user's attention mask covers: ``generate`` drops an all-ones mask, but only after
+    making ``position_ids`` of the mask's length from it."""
+    for name in ("attention_mask", "position_ids"):
+        if model_kwargs.get(name) is not None:
+            return model_kwargs[name].shape[-1]
+    return input_ids.shape[1]

@@ -645,7 +645,9 @@ _FLAGS = ("target", "drafter", "skip_ratio", "objective", "iterations", "bo_ever
 
 
 def _skip_ratios(text: str) -> float | list[float]:
-    values = [float(part) for part in text.split(",") if part.strip()]
+    from .cli_args import skip_fractions
+
+    values = skip_fractions(text)  # argparse reports a bad value as one line
     return values[0] if len(values) == 1 and "," not in text else values
 
 
@@ -655,6 +657,8 @@ def _slug(name: str) -> str:
 
 def add_search_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``viasd search``: find a routing mask with DIMR and save it with its search log."""
+    from .cli_args import DTYPES, non_negative_int, positive_float, positive_int
+
     parser = subparsers.add_parser(
         "search",
         help="find the slim verifier's routing mask for a target (and drafter) with DIMR",
@@ -667,17 +671,20 @@ def add_search_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
                         help="fraction of layers to skip; a comma list (e.g. 0.1,0.15,0.2) sweeps budgets and keeps "
                         "the best predicted speed-up")  # fmt: skip
     parser.add_argument("--objective", choices=OBJECTIVES, default="via", help="via (KL-margin cost), kl, or top1")
-    parser.add_argument("--iterations", type=int, default=100, help="max masks evaluated per budget")
-    parser.add_argument("--bo-every", type=int, default=2, help="propose by Bayesian optimisation when iteration %% N == 0")
-    parser.add_argument("--patience", type=int, default=30, help="stop a budget after N evaluations without improvement")
-    parser.add_argument("--time-budget", type=float, help="seconds for the whole search (all budgets)")
+    parser.add_argument("--iterations", type=positive_int, default=100, help="max masks evaluated per budget")
+    parser.add_argument("--bo-every", type=positive_int, default=2,
+                        help="propose by Bayesian optimisation when iteration %% N == 0")
+    parser.add_argument("--patience", type=positive_int, default=30,
+                        help="stop a budget after N evaluations without improvement")
+    parser.add_argument("--time-budget", type=positive_float, help="seconds for the whole search (all budgets)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", help="JSONL with a 'prompt' field, or text with one prompt per line (default: Spec-Bench)")
-    parser.add_argument("--num-prompts", type=int, default=32, help="calibration prompts")
-    parser.add_argument("--num-heldout", type=int, default=16, help="held-out prompts (disjoint) for agreement")
-    parser.add_argument("--window", type=int, default=16, help="greedy continuation tokens scored per prompt (τ)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=384)
-    parser.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16; the deployment dtype (costs are measured in it)")
+    parser.add_argument("--num-prompts", type=positive_int, default=32, help="calibration prompts")
+    parser.add_argument("--num-heldout", type=non_negative_int, default=16, help="held-out prompts (disjoint) for agreement")
+    parser.add_argument("--window", type=positive_int, default=16, help="greedy continuation tokens scored per prompt (τ)")
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=384)
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                        help="the deployment dtype (costs are measured in it)")
     parser.add_argument("--out", help="output folder (default: masks/<target>/<drafter or self>)")
     parser.set_defaults(handler=run_search_command)
     return parser
@@ -696,12 +703,41 @@ def search_command_line(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
-def run_search_command(args: argparse.Namespace) -> int:
-    from .models import load_pretrained
+def _check_search_args(args: argparse.Namespace) -> None:
+    """What can be checked before the models load (minutes): models, the output folder, the prompts and their number."""
+    from .calibration import read_prompts, spec_bench_prompts
+    from .cli_args import UsageError, check_input_file, check_model, check_output_dir, first_line
 
-    args.out = args.out or str(Path("masks") / _slug(args.target) / (_slug(args.drafter) if args.drafter else "self"))
-    target, tokenizer = load_pretrained(args.target, dtype=args.dtype)
-    drafter = load_pretrained(args.drafter, dtype=args.dtype)[0] if args.drafter else None
+    check_model(args.target, "--target")
+    if args.drafter not in (None, "self"):
+        check_model(args.drafter, "--drafter")
+    check_output_dir(args.out, "--out")
+    source = f"--prompts {args.prompts}" if args.prompts else "the default Spec-Bench prompts"
+    try:
+        pool = read_prompts(check_input_file(args.prompts, "--prompts")) if args.prompts else spec_bench_prompts()
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
+        if isinstance(error, IndexError):
+            reason = "no prompts in the file"
+        elif isinstance(error, KeyError):
+            reason = f"a record has no {error} field (JSONL prompts need 'prompt')"
+        else:
+            reason = first_line(error)
+        raise UsageError(f"{source}: {reason}") from None
+    if len(pool) < args.num_prompts + args.num_heldout:
+        raise UsageError(
+            f"{source}: {len(pool)} prompts, fewer than --num-prompts {args.num_prompts} + --num-heldout "
+            f"{args.num_heldout}"
+        )
+
+
+def run_search_command(args: argparse.Namespace) -> int:
+    from .cli_args import load_model
+
+    drafted = args.drafter not in (None, "self")  # `--drafter self` is the default: the target drafts for itself
+    args.out = args.out or str(Path("masks") / _slug(args.target) / (_slug(args.drafter) if drafted else "self"))
+    _check_search_args(args)
+    target, tokenizer = load_model(args.target, args.dtype, "--target")
+    drafter = load_model(args.drafter, args.dtype, "--drafter")[0] if drafted else None
     calibration = build_calibration(
         target, tokenizer, prompts=args.prompts, num_prompts=args.num_prompts, num_heldout=args.num_heldout,
         window=args.window, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,

@@ -19,8 +19,9 @@ from transformers import LogitsProcessorList
 
 from .cache import crop_to, new_cache
 from .masks import RoutingMask
-from .routing import routed
-from .sampling import sample
+from .routing import skipping
+from .sampling import RandomStream, sample
+from .tiers import forbidden
 
 if TYPE_CHECKING:
     from .decoding import DecodingState
@@ -39,7 +40,8 @@ class Drafter(Protocol):
     forwards: int
     seconds: float
 
-    def draft(self, state: DecodingState, max_tokens: int) -> Draft: ...
+    def draft(self, state: DecodingState, max_tokens: int, rng: RandomStream | None) -> Draft:
+        """Up to ``max_tokens`` tokens; a sampling drafter draws them from the call's ``rng`` (``None`` when greedy)."""
 
     def commit(self, state: DecodingState) -> None:
         """Forget whatever the drafter processed that is no longer on the committed sequence."""
@@ -70,7 +72,7 @@ class _ModelDrafter:
         raise NotImplementedError
 
     @torch.no_grad()
-    def draft(self, state: DecodingState, max_tokens: int) -> Draft:
+    def draft(self, state: DecodingState, max_tokens: int, rng: RandomStream | None) -> Draft:
         started = time.perf_counter()
         sequence = state.ids
         feed = self._pending(state)
@@ -80,7 +82,7 @@ class _ModelDrafter:
             self.forwards += 1
             scores = self.logits_processor(sequence, logits)
             probs = scores.softmax(-1)[0]
-            token = sample(probs) if self.do_sample else int(scores.argmax(-1))
+            token = sample(probs, rng) if self.do_sample else int(scores.argmax(-1))
             draft.tokens.append(token)
             draft.probs.append(probs)
             feed = torch.tensor([[token]], device=sequence.device)
@@ -149,6 +151,7 @@ class SelfDrafter(_ModelDrafter):
         mask.validate_for(model)
         self.model = model
         self.mask = mask
+        self.skipped = mask.skipped_layers  # validated once here, not on every drafting pass
         self._fed = 0
 
     def _pending(self, state: DecodingState) -> torch.Tensor:
@@ -156,7 +159,7 @@ class SelfDrafter(_ModelDrafter):
         return state.ids[:, state.full_length :]
 
     def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
-        with routed(self.model, self.mask):
+        with skipping(self.model, self.skipped):
             logits = state.forward(self.model, tokens, self._fed, state.full_cache, keep=1)
         self._fed += tokens.shape[1]
         return logits
@@ -169,17 +172,32 @@ class SelfDrafter(_ModelDrafter):
 
 
 class PromptLookupDrafter:
-    """Prompt lookup decoding: find the latest earlier occurrence of the trailing n-gram and copy what followed."""
+    """Prompt lookup decoding: find the latest earlier occurrence of the trailing n-gram and copy what followed.
+
+    As in transformers, a copied continuation is cut before the first token the logits processors
+    forbid there (``no_repeat_ngram_size`` forbids exactly what a lookup copies), found by running
+    them on a row of equal logits; if nothing is left, an earlier occurrence is tried.
+    """
 
     name = "prompt_lookup"
 
-    def __init__(self, num_tokens: int, max_ngram_size: int = 2) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        logits_processor: LogitsProcessorList | None = None,
+        vocab_size: int | None = None,
+        max_ngram_size: int = 2,
+    ) -> None:
+        if logits_processor and vocab_size is None:
+            raise ValueError("PromptLookupDrafter needs vocab_size to check its drafts against logits_processor")
         self.num_tokens = num_tokens
+        self.logits_processor = logits_processor
+        self.vocab_size = vocab_size
         self.max_ngram_size = max_ngram_size
         self.forwards = 0
         self.seconds = 0.0
 
-    def draft(self, state: DecodingState, max_tokens: int) -> Draft:
+    def draft(self, state: DecodingState, max_tokens: int, rng: RandomStream | None) -> Draft:
         started = time.perf_counter()
         tokens = state.ids[0].tolist()
         proposal: list[int] = []
@@ -187,12 +205,25 @@ class PromptLookupDrafter:
             tail = tokens[-size:]
             for start in range(len(tokens) - size - 1, -1, -1):
                 if tokens[start : start + size] == tail:
-                    proposal = tokens[start + size : start + size + min(self.num_tokens, max_tokens)]
-                    break
+                    copied = tokens[start + size : start + size + min(self.num_tokens, max_tokens)]
+                    proposal = self.allowed_prefix(state.ids, copied)
+                    if proposal:
+                        break
             if proposal:
                 break
         self.seconds += time.perf_counter() - started
         return Draft(tokens=proposal, probs=[None] * len(proposal))
+
+    def allowed_prefix(self, ids: torch.Tensor, copied: list[int]) -> list[int]:
+        """``copied`` cut before its first token that the logits processors forbid where it would go."""
+        if not self.logits_processor:
+            return copied
+        equal_logits = torch.ones((1, self.vocab_size), device=ids.device)
+        for i, token in enumerate(copied):
+            prefix = torch.cat([ids, ids.new_tensor([copied[:i]])], dim=-1)
+            if forbidden(self.logits_processor(prefix, equal_logits.clone()))[0, token]:
+                return copied[:i]
+        return copied
 
     def commit(self, state: DecodingState) -> None:
         """Stateless: the lookup reads the committed sequence afresh each block."""

@@ -9,17 +9,31 @@ Three entry points, all ending in ``viasd_generate``, the ``custom_generate`` ca
 
 ``generate`` prepares logits processors, stopping criteria, lengths and attention masks, then
 calls the callable — but forwards neither ``assistant_model`` nor ``streamer`` to it, so the
-mixin passes them under the callable's own names (DESIGN §5).
+mixin passes them under the callable's own names (DESIGN §5), and ``viasd_generate`` recovers
+them from ``generate``'s frame when a user passed them with ``custom_generate=viasd_generate``.
+
+``enable_viasd`` binds ``generate`` on the instance, as transformers binds a Hub
+``custom_generate``: the model's class, config, weights and pickling stay untouched.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
+from transformers import (
+    GenerationConfig,
+    GenerationMixin,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from .architectures import base_model, is_encoder_decoder, model_config
@@ -46,13 +60,25 @@ class ViaSDEncoderDecoderOutput(GenerateEncoderDecoderOutput):
 
 
 def resolve_mask(spec: RoutingMask | str | None, model: nn.Module, drafter_id: str) -> RoutingMask:
-    """A validated mask from a ``RoutingMask``, a local path or Hub id, or else the mask known for this pair."""
+    """A validated mask from a ``RoutingMask``, a local path or Hub id, or else the mask known for this pair.
+
+    Paths, Hub ids and the pair's default mask are looked up once per (model, drafter, spec) and
+    then reused (``viasd_hf.mask_cache``): ``generate`` must not ask the Hub on every call.
+    """
+    import os
+
+    from .hub import default_masks_repo
+    from .mask_cache import cached_mask
+
     if isinstance(spec, RoutingMask):
         mask = spec
-    elif spec is not None:
-        mask = RoutingMask.from_pretrained(spec)
+    elif spec is None:
+        pair = (str(model_config(model)._name_or_path), drafter_id)
+        mask = cached_mask(model, ("pair", *pair, default_masks_repo()), lambda: RoutingMask.from_pretrained(pair))
+    elif isinstance(spec, (str, os.PathLike)):
+        mask = cached_mask(model, ("spec", os.fspath(spec)), lambda: RoutingMask.from_pretrained(spec))
     else:
-        mask = RoutingMask.from_pretrained((str(model_config(model)._name_or_path), drafter_id))
+        mask = RoutingMask.from_pretrained(spec)
     mask.validate_for(model)
     return mask
 
@@ -93,7 +119,8 @@ def build_drafter(
             assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample
         )
     if generation_config.prompt_lookup_num_tokens:
-        return PromptLookupDrafter(generation_config.prompt_lookup_num_tokens)
+        vocab_size = model_config(model).get_text_config().vocab_size
+        return PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, logits_processor, vocab_size)
     mask = resolve_mask(config.self_draft_mask, model, "self-drafter")
     return SelfDrafter(model, mask, logits_processor, config.draft_confidence_threshold, generation_config.do_sample)
 
@@ -105,6 +132,47 @@ def initial_state(model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict[
         encoder = {"encoder_outputs": model_kwargs["encoder_outputs"], "attention_mask": model_kwargs.get("attention_mask")}
         return DecodingState(input_ids, cache, full_length=0, prompt_attention_mask=None, encoder_kwargs=encoder)
     return DecodingState(input_ids, cache, full_length=0, prompt_attention_mask=model_kwargs.get("attention_mask"))
+
+
+class _AfterPrompt(BaseStreamer):
+    """A user's streamer to which ``generate`` has already put the prompt: the decoder's own put of it is dropped."""
+
+    def __init__(self, streamer: BaseStreamer) -> None:
+        self.streamer = streamer
+        self.prompt_dropped = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_dropped:
+            self.streamer.put(value)
+        self.prompt_dropped = True
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
+
+
+def _taken_from_generate(drafter: nn.Module | None, streamer: Any) -> tuple[nn.Module | None, Any]:
+    """The drafter and streamer, counting the ``assistant_model`` / ``streamer`` that ``generate`` kept back.
+
+    ``GenerationMixin.generate`` hands a ``custom_generate`` callable neither argument (DESIGN §5), so
+    ``generate(custom_generate=viasd_generate, assistant_model=a)`` would silently run another
+    drafter. They are still ``generate``'s locals: read them from its frame, our direct caller.
+    """
+    caller = sys._getframe(2)
+    if caller.f_code is not _GENERATE_CODE:
+        return drafter, streamer
+    assistant_model, their_streamer = caller.f_locals.get("assistant_model"), caller.f_locals.get("streamer")
+    if assistant_model is not None:
+        if drafter is not None and drafter is not assistant_model:
+            raise ValueError("generate got both assistant_model= and drafter=, two different models: pass one of them")
+        drafter = assistant_model
+    if their_streamer is not None:
+        if streamer is not None:
+            raise ValueError("generate got both streamer= and viasd_streamer=: pass one of them")
+        streamer = _AfterPrompt(their_streamer)
+    return drafter, streamer
 
 
 def viasd_generate(
@@ -120,13 +188,15 @@ def viasd_generate(
     **model_kwargs: Any,
 ) -> torch.Tensor | ViaSDDecoderOnlyOutput | ViaSDEncoderDecoderOutput:
     """``custom_generate`` callable: VIA-SD decoding with ``drafter`` (an assistant model) or the config's choice."""
-    config = viasd_config or ViaSDConfig()
-    check_supported(model, input_ids, generation_config)
+    drafter, viasd_streamer = _taken_from_generate(drafter, viasd_streamer)
+    config = ViaSDConfig.for_call(viasd_config)
+    check_supported(model, input_ids, generation_config, model_kwargs)
     chosen = build_drafter(model, config, generation_config, logits_processor, drafter)
     slim_mask = None
     if config.use_slim:
         slim_mask = resolve_mask(config.routing_mask, model, _drafter_id(drafter))
-    keep_scores = bool(generation_config.output_scores)
+    keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     decoder = ViaSDDecoder(
         model,
         chosen,
@@ -137,16 +207,22 @@ def viasd_generate(
         max_length=generation_config.max_length,
         streamer=viasd_streamer,
         keep_scores=keep_scores,
+        keep_logits=keep_logits,
         check_invariants=viasd_check_invariants,
         do_sample=bool(generation_config.do_sample),
     )
     state = decoder.run(initial_state(model, input_ids, model_kwargs))
     if not generation_config.return_dict_in_generate:
         return state.ids
-    scores = tuple(state.scores) if keep_scores else None
+    outputs = {
+        "sequences": state.ids,
+        "scores": tuple(state.scores) if keep_scores else None,
+        "logits": tuple(state.logits) if keep_logits else None,  # raw, from the tier that chose each token
+        "viasd_stats": decoder.stats,
+    }
     if is_encoder_decoder(model):
-        return ViaSDEncoderDecoderOutput(sequences=state.ids, scores=scores, viasd_stats=decoder.stats)
-    return ViaSDDecoderOnlyOutput(sequences=state.ids, scores=scores, viasd_stats=decoder.stats)
+        return ViaSDEncoderDecoderOutput(**outputs)
+    return ViaSDDecoderOnlyOutput(**outputs)
 
 
 class ViaSDGenerationMixin:
@@ -169,22 +245,64 @@ def viasd_generate_kwargs(viasd_config: ViaSDConfig, kwargs: dict[str, Any]) -> 
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         kwargs["stopping_criteria"] = criteria
-    kwargs["drafter"] = kwargs.pop("assistant_model", None)
-    kwargs["viasd_streamer"] = kwargs.pop("streamer", None)
+    for theirs, ours in (("assistant_model", "drafter"), ("streamer", "viasd_streamer")):
+        # idempotent, so that kwargs rewritten once (enable_viasd on a mixin class) keep their drafter
+        if kwargs.get(theirs) is not None:
+            if kwargs.get(ours) is not None:
+                raise ValueError(f"generate got both {theirs}= and {ours}=: pass one of them")
+            kwargs[ours] = kwargs.pop(theirs)
     kwargs["viasd_config"] = viasd_config
     kwargs["custom_generate"] = viasd_generate
     return kwargs
 
 
-_VIASD_CLASSES: dict[type, type] = {}
+class _Default:
+    """``viasd_config`` not passed: ``enable_viasd``'s default applies (``viasd_config=None`` means plain)."""
 
 
-def enable_viasd(model: nn.Module) -> nn.Module:
-    """Give an already-loaded model VIA-SD ``generate`` (in place, returned for chaining)."""
-    cls = type(model)
-    if issubclass(cls, ViaSDGenerationMixin):
-        return model
-    if cls not in _VIASD_CLASSES:
-        _VIASD_CLASSES[cls] = type(f"ViaSD{cls.__name__}", (ViaSDGenerationMixin, cls), {})
-    model.__class__ = _VIASD_CLASSES[cls]
+def enabled_generate(
+    *args: Any,
+    model: nn.Module,
+    viasd_default: ViaSDConfig | None,
+    replaced: Any,
+    viasd_config: ViaSDConfig | None | type[_Default] = _Default,
+    **kwargs: Any,
+) -> Any:
+    """``model.generate`` after ``enable_viasd`` (bound with ``functools.partial``, as transformers binds a
+    Hub ``custom_generate``): VIA-SD when there is a ``ViaSDConfig``, else what ``generate`` did before.
+
+    A partial of a module-level function pickles, and ``deepcopy`` rebinds it to the copy.
+    """
+    config = viasd_default if viasd_config is _Default else viasd_config
+    if config is None:
+        return replaced(*args, **kwargs) if replaced is not None else type(model).generate(model, *args, **kwargs)
+    return type(model).generate(model, *args, **viasd_generate_kwargs(config, kwargs))
+
+
+def _binding(model: nn.Module) -> functools.partial | None:
+    bound = model.__dict__.get("generate")
+    return bound if isinstance(bound, functools.partial) and bound.func is enabled_generate else None
+
+
+def enable_viasd(model: nn.Module, viasd_config: ViaSDConfig | None = None) -> nn.Module:
+    """Give an already-loaded model VIA-SD ``generate`` (in place, returned for chaining).
+
+    ``model.generate(..., viasd_config=...)`` then runs VIA-SD; without ``viasd_config`` it runs
+    ``viasd_config`` given here (so pipelines use VIA-SD unchanged) or, if none, plain ``generate``.
+    Only the instance's ``generate`` changes: class, config, saving and pickling are as before.
+    ``disable_viasd`` undoes it.
+    """
+    previous = _binding(model)
+    replaced = previous.keywords["replaced"] if previous is not None else model.__dict__.get("generate")
+    model.generate = functools.partial(enabled_generate, model=model, viasd_default=viasd_config, replaced=replaced)
+    return model
+
+
+def disable_viasd(model: nn.Module) -> nn.Module:
+    """Undo ``enable_viasd``: ``model.generate`` is again what it was before (in place, returned for chaining)."""
+    binding = _binding(model)
+    if binding is not None:
+        del model.generate
+        if binding.keywords["replaced"] is not None:
+            model.generate = binding.keywords["replaced"]
     return model

@@ -9,22 +9,34 @@ Layout of a masks repo, mirrored by the ``hub_masks/`` folder shipped with viasd
 A slug is the model id lowercased with ``/`` replaced by ``--``, so a zoo name such as
 ``qwen2.5-coder-1.5b-instruct`` stays as it is and ``Qwen/Qwen2.5-Coder-1.5B-Instruct`` becomes
 ``qwen--qwen2.5-coder-1.5b-instruct``. Masks are small JSON files and go the regular (non-LFS)
-upload path. A pair is looked up on the Hub (or in the user cache when offline), then in the
-shipped folder, which is only ever read from disk.
+upload path.
+
+Where a pair's mask is looked up:
+
+- with an explicit ``repo_id`` or ``revision``: that repo and revision only. A miss is an error;
+  the shipped masks never stand in for an explicit request.
+- by default (``$VIASD_MASKS_REPO``, else the project's repo; ``main``): that repo, then the
+  shipped folder, which is only ever read from disk.
+
+The Hub is asked with one HEAD, a short timeout and no retries; the user cache answers when
+offline, with ``local_files_only``, or when the Hub does not answer. An endpoint that does not
+answer is not asked again in this process, so offline use never waits on the network, with
+``HF_HUB_OFFLINE=1`` or without.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
-import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, constants, hf_hub_url
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
@@ -34,8 +46,10 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.utils import validate_repo_id
 from torch import nn
 
+from .cli_args import CommandError, UsageError, check_endpoint, check_output_dir, check_repo_id, first_line
 from .masks import MASK_FILENAME, RoutingMask, RoutingMaskError
 
 DEFAULT_MASKS_REPO = "viasd-hf/routing-masks"
@@ -51,6 +65,31 @@ HOW_TO_GET_A_MASK = (
 # What the Hub client raises when a file cannot be had: missing repo, revision or file,
 # offline without a cached copy, an unreachable Hub, or a string that is no repo id.
 _HUB_MISSES = (HfHubHTTPError, EntryNotFoundError, OfflineModeIsEnabled, HFValidationError)
+# What reading a mask file can raise when the file is malformed (RoutingMaskError is a ValueError,
+# and so are JSON and Unicode decoding errors; wrongly typed fields may raise TypeError).
+MALFORMED_MASK_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
+
+
+def _request_errors() -> tuple[type[BaseException], ...]:
+    """What the Hub client raises when no answer came back (httpx2 from huggingface_hub 1.x on, else httpx)."""
+    errors: list[type[BaseException]] = [OSError]  # OfflineModeIsEnabled and socket errors among them
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).RequestError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+_NO_ANSWER = _request_errors()
+
+# A mask lookup asks the Hub once, with this timeout and no retries (the Hub client itself retries
+# a failed HEAD for ~30 s, with a 60 s timeout each, when the file is not cached).
+DEFAULT_LOOKUP_TIMEOUT_S = 3.0
+# Endpoints that did not answer a mask lookup in this process (connection refused, DNS failure,
+# timeout, proxy or TLS error): later lookups read the user cache (and the shipped masks) only.
+_UNREACHABLE: set[str] = set()
+_UNREACHABLE_LOCK = threading.Lock()
 
 logger = logging.getLogger(__name__)
 
@@ -165,19 +204,20 @@ def pull_mask(
 ) -> RoutingMask:
     """A mask from a Hub repo id (``subfolder`` inside it) or for a ``(target, drafter)`` pair of ids.
 
-    A pair is read from the masks repo ``repo_id`` (default :func:`default_masks_repo`), then
-    from :func:`shipped_mask_dir`. The Hub client answers from the user cache when offline or
-    with ``local_files_only``. Raises ``RoutingMaskError`` naming every place it looked.
+    A pair is read from the masks repo ``repo_id`` at ``revision``; when neither is given, from
+    :func:`default_masks_repo`, then from :func:`shipped_mask_dir`. The Hub is asked once, briefly
+    (see the module docstring); the user cache answers when offline, with ``local_files_only`` or
+    when the Hub does not answer. Raises ``RoutingMaskError`` naming every place it looked.
     """
     api = HfApi(endpoint=endpoint, token=token)
     options = {"revision": revision, "local_files_only": local_files_only, "cache_dir": cache_dir}
     if isinstance(source, tuple):
-        return _pull_pair(api, *source, repo_id or default_masks_repo(), options)
+        return _pull_pair(api, *source, repo_id, options)[0]
     if repo_id is not None:
         raise ValueError("repo_id= is for a (target, drafter) pair; pass a repo id as the source itself")
     filename = f"{subfolder.strip('/')}/{MASK_FILENAME}" if subfolder else MASK_FILENAME
     try:
-        return _download_mask(api, source, filename, options)
+        return _fetch_mask(api, source, filename, options)[0]
     except _HUB_MISSES as error:
         looked = [f"local path {source}: no such folder or file", _hub_miss(api, source, filename, revision, error)]
         raise RoutingMaskError(_not_found(f"no routing mask at {source!r}", looked)) from error
@@ -246,24 +286,42 @@ def _add_hub_options(parser: argparse.ArgumentParser, revision_help: str) -> Non
 
 
 def _run_push(args: argparse.Namespace) -> int:
+    check_repo_id(args.repo_id)
+    check_endpoint(args.endpoint)
+    source = Path(args.mask_dir).expanduser()
+    if not source.exists():  # else RoutingMask.from_pretrained would take it for a Hub id and ask the Hub
+        raise UsageError(f"MASK_DIR {args.mask_dir}: no such folder or file")
     try:
-        commit = push_mask(args.mask_dir, args.repo_id, token=args.token, endpoint=args.endpoint, revision=args.revision)
+        check_pushable(RoutingMask.from_pretrained(source))
+    except MALFORMED_MASK_ERRORS as error:
+        raise UsageError(f"MASK_DIR {args.mask_dir}: not a valid routing mask: {first_line(error)}") from None
+    try:
+        commit = push_mask(source, args.repo_id, token=args.token, endpoint=args.endpoint, revision=args.revision)
     except (RoutingMaskError, HfHubHTTPError) as error:
-        print(f"viasd push: {error}", file=sys.stderr)
-        return 1
+        raise CommandError(f"{args.repo_id}: {first_line(error)}") from error
+    except _NO_ANSWER as error:
+        raise CommandError(f"the Hub at {args.endpoint or constants.ENDPOINT} did not answer: {first_line(error)}") from error
     print(f"pushed {args.mask_dir} to {args.repo_id}: {commit}")
     return 0
 
 
 def _run_pull(args: argparse.Namespace) -> int:
+    check_repo_id(args.repo_id)
+    check_endpoint(args.endpoint)
+    for flag, model in (("--target", args.target), ("--drafter", args.drafter)):
+        if not model.strip().strip("/"):
+            raise UsageError(f"{flag} must name a model")
+    check_output_dir(args.out, "--out")
+    api = HfApi(endpoint=args.endpoint, token=args.token)
+    options = {"revision": args.revision, "local_files_only": False, "cache_dir": None}
     try:
-        mask = pull_mask((args.target, args.drafter), repo_id=args.repo_id, revision=args.revision,
-                         endpoint=args.endpoint, token=args.token)
-    except RoutingMaskError as error:
-        print(f"viasd pull: {error}", file=sys.stderr)
-        return 1
+        mask, where = _pull_pair(api, args.target, args.drafter, args.repo_id, options)
+    except RoutingMaskError as error:  # a headline, then where it looked and how to get a mask
+        raise CommandError(str(error)) from None
+    except MALFORMED_MASK_ERRORS as error:
+        raise CommandError(f"the routing mask found is not valid: {first_line(error)}") from None
     path = mask.save_pretrained(args.out)
-    print(f"wrote {path}: keeps {len(mask.kept_layers)} of {mask.num_layers} layers of {mask.target_id}")
+    print(f"wrote {path} (from {where}): keeps {len(mask.kept_layers)} of {mask.num_layers} layers of {mask.target_id}")
     return 0
 
 
@@ -282,10 +340,15 @@ def _masks_in_repo(api: HfApi, repo_id: str, revision: str, files: list[str]) ->
     masks = {}
     for path in files:
         if path.count("/") == 2 and path.endswith(f"/{MASK_FILENAME}"):
+            local = Path(api.hf_hub_download(repo_id, path, revision=revision))
             try:
-                masks[path] = RoutingMask.from_pretrained(Path(api.hf_hub_download(repo_id, path, revision=revision)))
-            except RoutingMaskError as error:
-                logger.warning("leaving %s out of the model card of %s: %s", path, repo_id, error)
+                mask = RoutingMask.from_pretrained(local)
+                _card_row(path, mask)  # a field of the wrong type would break the card
+            except MALFORMED_MASK_ERRORS as error:
+                logger.warning("leaving %s out of the model card of %s: it is not a valid routing mask (%s: %s)",
+                               path, repo_id, type(error).__name__, error)
+                continue
+            masks[path] = mask
     return masks
 
 
@@ -293,17 +356,75 @@ def _download_mask(api: HfApi, repo_id: str, filename: str, options: dict[str, A
     return RoutingMask.from_pretrained(Path(api.hf_hub_download(repo_id, filename, **options)))
 
 
-def _pull_pair(api: HfApi, target: str, drafter: str, repo_id: str, options: dict[str, Any]) -> RoutingMask:
+def _fetch_mask(api: HfApi, repo_id: str, filename: str, options: dict[str, Any]) -> tuple[RoutingMask, str]:
+    """A mask file from the Hub, or from the user cache when the Hub does not answer; and where it came from.
+
+    Raises what the Hub client raises for a miss (``_HUB_MISSES``), the Hub's own "no" included.
+    """
+    miss, cache_only = _ask_hub_once(api, repo_id, filename, options)
+    if miss is not None:
+        raise miss
+    mask = _download_mask(api, repo_id, filename, options | {"local_files_only": cache_only,
+                                                             "etag_timeout": DEFAULT_LOOKUP_TIMEOUT_S})
+    where = f"Hub repo {repo_id} at {api.endpoint} (revision {options['revision'] or 'main'})"
+    return mask, f"the user cache of {where}" if cache_only else where
+
+
+def _pull_pair(
+    api: HfApi, target: str, drafter: str, repo_id: str | None, options: dict[str, Any]
+) -> tuple[RoutingMask, str]:
+    """The pair's mask and where it was found (see the module docstring for the order)."""
     filename = mask_path_in_repo(target, drafter)
+    headline = f"no routing mask for target {target!r} with drafter {drafter!r}"
+    revision = options["revision"]
+    explicit = repo_id is not None or revision is not None
+    repo_id = repo_id or default_masks_repo()
     try:
-        return _download_mask(api, repo_id, filename, options)
+        return _fetch_mask(api, repo_id, filename, options)
     except _HUB_MISSES as error:
-        looked = [_hub_miss(api, repo_id, filename, options["revision"], error)]
+        looked = [_hub_miss(api, repo_id, filename, revision, error)]
+        if explicit:  # that repo and revision, or an error: never a mask the caller did not ask for
+            raise RoutingMaskError(
+                _not_found(headline, looked) + "\nThe masks shipped with viasd_hf are only used when neither "
+                "repo_id nor revision is given."
+            ) from error
     shipped = shipped_mask_dir() / filename
     if shipped.is_file():
-        return RoutingMask.from_pretrained(shipped)
+        return RoutingMask.from_pretrained(shipped), f"the masks shipped with viasd_hf ({shipped})"
     looked.append(f"masks shipped with viasd_hf: no {shipped}")
-    raise RoutingMaskError(_not_found(f"no routing mask for target {target!r} with drafter {drafter!r}", looked))
+    raise RoutingMaskError(_not_found(headline, looked))
+
+
+def _ask_hub_once(
+    api: HfApi, repo_id: str, filename: str, options: dict[str, Any]
+) -> tuple[Exception | None, bool]:
+    """(The Hub's "no", if it said so; whether only the user cache can answer.)
+
+    One HEAD with a short timeout and no retries, where ``hf_hub_download`` alone would retry a
+    failed HEAD for ~30 s when the file is not cached. An endpoint that does not answer is
+    remembered, so that later lookups in this process read the user cache without waiting on it.
+    """
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        return error, False
+    if options["local_files_only"] or constants.HF_HUB_OFFLINE or api.endpoint in _UNREACHABLE:
+        return None, True
+    url = hf_hub_url(repo_id, filename, revision=options["revision"], endpoint=api.endpoint)
+    try:
+        api.get_hf_file_metadata(url=url, timeout=DEFAULT_LOOKUP_TIMEOUT_S)
+    except HfHubHTTPError as error:  # the Hub answered: no such repo or file, or it is busy or failing
+        status = error.response.status_code if error.response is not None else None
+        return (None, True) if status == 429 or (status or 0) >= 500 else (error, False)
+    except _NO_ANSWER as error:  # no answer at all: connection refused, DNS, timeout, proxy or TLS failure
+        with _UNREACHABLE_LOCK:
+            _UNREACHABLE.add(api.endpoint)
+        logger.warning(
+            "the Hub at %s did not answer (%s: %s); routing masks are read from the user cache (and the masks "
+            "shipped with viasd_hf) for the rest of this process", api.endpoint, type(error).__name__, error,
+        )
+        return None, True
+    return None, False
 
 
 def _hub_miss(api: HfApi, repo_id: str, filename: str, revision: str | None, error: Exception) -> str:

@@ -8,7 +8,8 @@ other. It also records how it was found, so a mask pulled from the Hub explains 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+import numbers
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,25 @@ SCHEMA_VERSION = 1
 
 class RoutingMaskError(ValueError):
     """A routing mask that is malformed or does not belong to the model it is applied to."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _wrong_type(name: str, expected: str, value: Any) -> RoutingMaskError:
+    return RoutingMaskError(f"routing mask field {name!r} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+# Field types as a mask file must spell them (JSON has no int/bool/float coercion worth trusting).
+_STR_FIELDS = ("target_id", "target_fingerprint", "drafter_id", "library_version")
+_OPTIONAL_STR_FIELDS = ("target_revision", "objective", "calibration")
+_REAL_FIELDS = ("alpha1", "alpha2")
+_OPTIONAL_REAL_FIELDS = ("objective_value", "skip_ratio", "search_time_s")
 
 
 @dataclass
@@ -50,6 +70,7 @@ class RoutingMask:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.kept_layers = sorted(int(layer) for layer in self.kept_layers)
         if len(set(self.kept_layers)) != len(self.kept_layers):
             raise RoutingMaskError(f"kept_layers has duplicates: {self.kept_layers}")
@@ -67,6 +88,36 @@ class RoutingMask:
                 f"routing mask schema {self.schema_version} is newer than this viasd_hf understands "
                 f"({SCHEMA_VERSION}); upgrade viasd_hf"
             )
+
+    def _check_types(self) -> None:
+        """Raise ``RoutingMaskError`` naming the first field whose type is wrong; nothing is coerced silently."""
+        if not isinstance(self.kept_layers, (list, tuple, range)):
+            raise _wrong_type("kept_layers", "a list of layer indices (ints)", self.kept_layers)
+        for layer in self.kept_layers:
+            if not _is_int(layer):
+                raise RoutingMaskError(
+                    f"routing mask field 'kept_layers' must hold layer indices (ints), got {layer!r} "
+                    f"({type(layer).__name__}) in {list(self.kept_layers)!r}"
+                )
+        for name in ("num_layers", "schema_version"):
+            if not _is_int(getattr(self, name)):
+                raise _wrong_type(name, "an int", getattr(self, name))
+        if self.num_layers < 1:
+            raise RoutingMaskError(f"routing mask field 'num_layers' must be >= 1, got {self.num_layers}")
+        for name in _STR_FIELDS:
+            if not isinstance(getattr(self, name), str):
+                raise _wrong_type(name, "a string", getattr(self, name))
+        for name in _OPTIONAL_STR_FIELDS:
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise _wrong_type(name, "a string or null", getattr(self, name))
+        for name in _REAL_FIELDS:
+            if not _is_real(getattr(self, name)):
+                raise _wrong_type(name, "a number", getattr(self, name))
+        for name in _OPTIONAL_REAL_FIELDS:
+            if getattr(self, name) is not None and not _is_real(getattr(self, name)):
+                raise _wrong_type(name, "a number or null", getattr(self, name))
+        if not isinstance(self.metadata, dict):
+            raise _wrong_type("metadata", "a JSON object (dict)", self.metadata)
 
     @property
     def skipped_layers(self) -> list[int]:
@@ -123,10 +174,16 @@ class RoutingMask:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RoutingMask:
+        if not isinstance(data, dict):
+            raise RoutingMaskError(f"a routing mask must be a JSON object of fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise RoutingMaskError(f"unknown routing mask fields {unknown}; is it from a newer viasd_hf?")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise RoutingMaskError(f"the routing mask lacks required fields {missing}")
         return cls(**data)
 
     def save_pretrained(self, save_directory: str | Path) -> Path:
@@ -185,7 +242,9 @@ class RoutingMask:
         if not file.is_file():
             raise RoutingMaskError(f"no routing mask at {path} (expected a folder with {MASK_FILENAME} or that file)")
         try:
-            data = json.loads(file.read_text())
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as error:
+            raise RoutingMaskError(f"{file} is not a routing mask: it is not UTF-8 text ({error})") from error
         except json.JSONDecodeError as error:
             raise RoutingMaskError(f"{file} is not valid JSON: {error}") from error
         return cls.from_dict(data)

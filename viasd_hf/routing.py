@@ -1,17 +1,27 @@
 """The slim verifier: the target model itself, run with some decoder layers skipped for real.
 
-Skipping is done by replacing the skipped layers' instance ``forward`` with a pass-through, so
-their weights are never read (the point of the slim tier) and they write nothing to the KV
-cache. A forward hook would still run the layer. Swapping the ``ModuleList`` would break models
-that index ``config.layer_types`` by position (Qwen2, Gemma3). accelerate's offload hooks also
-live in the instance ``forward``; ours sits on top and is removed last-in-first-out, so the
-model is restored exactly.
+Skipping is done in the skipped layers' instance ``forward``, so their weights are never read
+(the point of the slim tier) and they write nothing to the KV cache. A forward hook would still
+run the layer. Swapping the ``ModuleList`` would break models that index ``config.layer_types``
+by position (Qwen2, Gemma3).
+
+A skip applies only to the call that asked for it, so one model can serve several threads (or
+asyncio tasks) at once, VIA-SD and plain ``generate`` alike. A layer some call may skip gets a
+switch as its instance ``forward``; the switch skips the layer in a context whose
+``ContextVar`` names it and otherwise runs the forward it replaced. Switches are reference
+counted under one lock: the first routed call on a layer installs its switch, the last one to
+leave removes it, so outside any routed call the model is exactly as it was (``deepcopy``,
+pickling and ``save_pretrained`` see a pristine model). accelerate's offload hooks also live in
+the instance ``forward``; the switch sits on top and is removed last-in-first-out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
 
 from torch import nn
 
@@ -20,22 +30,86 @@ from .masks import RoutingMask
 
 _MISSING = object()
 
+# ids of the layers the current context skips (a layer is alive while a routed block holds it)
+_SKIPPED: ContextVar[frozenset[int]] = ContextVar("viasd_skipped_layers", default=frozenset())
+
+# one lock for all models: installing or removing a few switches takes microseconds
+_LOCK = threading.Lock()
+_SWITCHES: dict[int, _SkipSwitch] = {}  # by id(layer), per layer so a PEFT wrapper and its base model share them
+
+
+class _SkipSwitch:
+    """A layer's instance ``forward`` while some call may skip it: skip where asked, else the replaced forward."""
+
+    def __init__(self, layer: nn.Module, skip: Callable[..., Any]) -> None:
+        self.layer = layer
+        self.skip = skip
+        self.replaced = layer.__dict__.get("forward", _MISSING)
+        self.run = layer.forward
+        self.users = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if id(self.layer) in _SKIPPED.get():
+            return self.skip(*args, **kwargs)
+        return self.run(*args, **kwargs)
+
+    def restore(self) -> None:
+        if self.replaced is _MISSING:
+            del self.layer.forward
+        else:
+            self.layer.forward = self.replaced
+
+
+def _acquire(layer: nn.Module, model: nn.Module) -> None:
+    switch = _SWITCHES.get(id(layer))
+    if switch is None:
+        switch = _SkipSwitch(layer, skipping_forward(layer, model))
+        layer.forward = switch
+        _SWITCHES[id(layer)] = switch
+    switch.users += 1
+
+
+def _release(layer: nn.Module) -> None:
+    switch = _SWITCHES[id(layer)]
+    switch.users -= 1
+    if switch.users == 0:
+        del _SWITCHES[id(layer)]
+        switch.restore()
+
+
+@contextmanager
+def skipping(model: nn.Module, skipped: Sequence[int]) -> Iterator[nn.Module]:
+    """Within this block, forward passes of ``model`` *in this context* skip the decoder layers ``skipped``.
+
+    ``skipped`` must come from a mask already validated for ``model`` (``RoutingMask.validate_for``):
+    validation reads the whole config, too slow for every pass. Nested blocks skip the union.
+    """
+    all_layers = decoder_layers(model)
+    layers = [all_layers[index] for index in skipped]
+    held: list[nn.Module] = []
+    try:
+        with _LOCK:
+            for layer in layers:
+                _acquire(layer, model)
+                held.append(layer)
+        token = _SKIPPED.set(_SKIPPED.get() | {id(layer) for layer in layers})
+        try:
+            yield model
+        finally:
+            _SKIPPED.reset(token)
+    finally:
+        with _LOCK:
+            for layer in reversed(held):
+                _release(layer)
+
 
 @contextmanager
 def routed(model: nn.Module, mask: RoutingMask) -> Iterator[nn.Module]:
-    """Within this block, forward passes of ``model`` skip the layers ``mask`` does not keep."""
+    """Within this block, forward passes of ``model`` skip the layers ``mask`` does not keep.
+
+    Only calls made in this thread (or this asyncio task) are routed; other threads using the
+    same model run it in full.
+    """
     mask.validate_for(model)
-    layers = decoder_layers(model)
-    replaced: list[tuple[nn.Module, object]] = []
-    try:
-        for index in mask.skipped_layers:
-            layer = layers[index]
-            replaced.append((layer, layer.__dict__.get("forward", _MISSING)))
-            layer.forward = skipping_forward(layer, model)
-        yield model
-    finally:
-        for layer, previous in reversed(replaced):
-            if previous is _MISSING:
-                del layer.forward
-            else:
-                layer.forward = previous
+    with skipping(model, mask.skipped_layers) as routed_model:
+        yield routed_model

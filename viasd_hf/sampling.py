@@ -4,6 +4,9 @@ Every distribution here is the *processed* one (temperature, top-k, top-p and ot
 processors applied), because that is what tokens are actually drawn from; handing a verifier
 raw probabilities instead breaks exactness (HF bug #47932). Only the slim tier's confidence set
 is defined on unscaled probabilities, so the thresholds mean the same at any temperature.
+
+Every random draw takes the call's ``RandomStream``, never torch's global generator, so a seeded
+call draws the same numbers whatever else in the process draws from the global one.
 """
 
 from __future__ import annotations
@@ -18,8 +21,32 @@ def one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
     return proposal
 
 
-def sample(probs: torch.Tensor) -> int:
-    return int(torch.multinomial(probs, 1))
+class RandomStream:
+    """One ``generate`` call's private random numbers.
+
+    Its seed is drawn once from torch's global generator when the call starts, so
+    ``torch.manual_seed(s)`` before ``generate`` fixes every draw of the call; after that, nothing
+    else that draws from the global generator (another thread, a dropout layer) shifts them. A
+    ``torch.Generator`` serves one device, so there is one per device the call samples on (a drafter
+    may live on another device than the target), each seeded alike.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    @classmethod
+    def from_global_seed(cls) -> RandomStream:
+        return cls(int(torch.randint(2**62, ())))
+
+    def on(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._generators[device]
+
+
+def sample(probs: torch.Tensor, rng: RandomStream) -> int:
+    return int(torch.multinomial(probs, 1, generator=rng.on(probs.device)))
 
 
 def residual(target: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
@@ -29,15 +56,16 @@ def residual(target: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
     return leftover / total if total > 0 else target
 
 
-def rejection_step(token: int, proposal: torch.Tensor, target: torch.Tensor) -> int | None:
+def rejection_step(token: int, proposal: torch.Tensor, target: torch.Tensor, rng: RandomStream) -> int | None:
     """Accept ``token ~ proposal`` with probability ``min(1, target/proposal)``; ``None`` means accepted.
 
     On rejection the returned token is drawn from the residual, so the result is distributed
     exactly as ``target`` whatever the proposal was.
     """
-    if torch.rand(()) * proposal[token] < target[token]:
+    uniform = torch.rand((), device=proposal.device, generator=rng.on(proposal.device))
+    if uniform * proposal[token] < target[token]:
         return None
-    return sample(residual(target, proposal))
+    return sample(residual(target, proposal), rng)
 
 
 def cascade_target(
@@ -55,7 +83,7 @@ def cascade_target(
 
 
 def cascade_step(
-    token: int, proposal: torch.Tensor, probs: torch.Tensor, unscaled: torch.Tensor, tau: float
+    token: int, proposal: torch.Tensor, probs: torch.Tensor, unscaled: torch.Tensor, tau: float, rng: RandomStream
 ) -> tuple[torch.Tensor, int | None]:
     """One rejection step of a drafted ``token ~ proposal`` against the cascade target π of a verifier.
 
@@ -63,4 +91,4 @@ def cascade_step(
     when the draft was kept.
     """
     target = cascade_target(proposal, probs, unscaled, tau)
-    return target, rejection_step(token, proposal, target)
+    return target, rejection_step(token, proposal, target, rng)

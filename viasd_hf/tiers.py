@@ -15,6 +15,21 @@ class Tier(Enum):
     ESCALATE = "escalate"
 
 
+def forbidden(scores: torch.Tensor) -> torch.Tensor:
+    """Where the logits processors forbid a token: a processed score of −inf (some use the dtype's lowest value)."""
+    return scores <= torch.finfo(scores.dtype).min
+
+
+def allowed_unscaled(logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Unscaled probabilities over the tokens the processors allow: softmax of the raw logits, 0 where forbidden.
+
+    Tier thresholds compare these, so they mean the same at any temperature; a token that
+    ``bad_words_ids``, ``min_new_tokens``, ``no_repeat_ngram_size``, ``suppress_tokens``, top-k, ...
+    rule out has confidence 0: the slim tier never accepts it, and no cascade counts it as confident.
+    """
+    return logits.float().masked_fill(forbidden(scores), float("-inf")).softmax(-1)
+
+
 def confidence(slim_probs: torch.Tensor, token: int, signal: str) -> float:
     """How much the slim verifier believes ``token``: ``ratio`` is q′(d) / max q′, ``probability`` is q′(d)."""
     probability = slim_probs[token].item()
@@ -24,7 +39,10 @@ def confidence(slim_probs: torch.Tensor, token: int, signal: str) -> float:
 
 
 def decide(slim_probs: torch.Tensor, token: int, config: ViaSDConfig) -> Tier:
-    """Route one draft token; ties go to the more authoritative tier (see ``ViaSDConfig``)."""
+    """Route one draft token; ties go to the more authoritative tier (see ``ViaSDConfig``).
+
+    ``slim_probs`` come from ``allowed_unscaled``: a forbidden token scores 0 and is escalated.
+    """
     score = confidence(slim_probs, token, config.confidence)
     if score > config.tau_accept:
         return Tier.ACCEPT

@@ -11,11 +11,25 @@ from typing import Any
 
 from torch import nn
 
+from ..cli_args import (
+    DTYPES,
+    UsageError,
+    check_model,
+    check_output_dir,
+    check_output_file,
+    first_line,
+    load_model,
+    positive_float,
+    positive_int,
+    probability,
+)
+from ..hub import MALFORMED_MASK_ERRORS
 from ..masks import RoutingMask, RoutingMaskError
 from .methods import METHODS, MethodSettings, MethodTable
 from .tasks import DATASETS, Example, load_examples, load_jsonl
 
 DRAFTER_METHODS = frozenset({"hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless"})
+MASK_METHODS = frozenset({"viasd", "viasd_lossless"})  # need --mask or a known mask for the pair
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -31,18 +45,22 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(METHODS)}")
     parser.add_argument("--dataset", default="spec_bench", choices=DATASETS)
     parser.add_argument("--prompts", help="JSONL with 'prompt', optional 'reference' and 'task' (instead of --dataset)")
-    parser.add_argument("--limit", type=int, help="examples per task (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (the median is kept)")
-    parser.add_argument("--temperature", type=float, help="sample at this temperature (every method, seeded alike)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--limit", type=positive_int, help="examples per task (default: all)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="timed runs per prompt and method (the median is kept)")
+    parser.add_argument("--temperature", type=positive_float,
+                        help="sample at this temperature (every method, seeded alike)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     parser.add_argument("--mask", help="VIA-SD routing mask (folder / JSON / Hub id; default: the mask known for the pair)")
     parser.add_argument("--self-draft-mask", help="self_spec's drafting mask (default: the target's known self mask)")
-    parser.add_argument("--gamma", type=int, default=5, help="draft tokens per block for every drafting method of ours")
-    parser.add_argument("--draft-threshold", type=float, default=0.4, help="stop drafting below this drafter confidence")
-    parser.add_argument("--cascade-lenience", type=float, default=0.3, help="α of the cascade baseline")
-    parser.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    parser.add_argument("--gamma", type=positive_int, default=5,
+                        help="draft tokens per block for every drafting method of ours")
+    parser.add_argument("--draft-threshold", type=probability, default=0.4,
+                        help="stop drafting below this drafter confidence")
+    parser.add_argument("--cascade-lenience", type=probability, default=0.3, help="α of the cascade baseline")
+    parser.add_argument("--prompt-lookup-tokens", type=positive_int, default=10)
     parser.add_argument("--json", help="write every figure, the environment and the command here")
     parser.add_argument("--plots", help="folder for speedup_vs_quality.png and tier_fractions.png")
     parser.set_defaults(handler=run_bench_command)
@@ -53,54 +71,105 @@ def _weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def _known_mask(target_name: str, drafters: tuple[str, ...], model: nn.Module) -> RoutingMask | None:
+def _known_mask(target_name: str, drafters: tuple[str, ...]) -> RoutingMask | None:
     """The first mask found offline (user cache, then ``hub_masks/``) for the target with one of ``drafters``."""
     for drafter in drafters:
         try:
-            mask = RoutingMask.from_pretrained((target_name, drafter), local_files_only=True)
+            return RoutingMask.from_pretrained((target_name, drafter), local_files_only=True)
         except RoutingMaskError:
             continue
-        mask.validate_for(model)
-        return mask
     return None
 
 
+def _mask_from(flag: str, source: str) -> RoutingMask:
+    try:
+        return RoutingMask.from_pretrained(source)
+    except RoutingMaskError as error:  # not found (with where it looked) or malformed
+        raise UsageError(f"{flag} {source}: {error}") from None
+    except MALFORMED_MASK_ERRORS as error:
+        raise UsageError(f"{flag} {source}: not a valid routing mask: {first_line(error)}") from None
+
+
 def _examples(args: argparse.Namespace) -> list[Example]:
-    if args.prompts:
-        return load_jsonl(args.prompts, args.limit)
-    return load_examples(args.dataset, args.limit)
+    try:
+        examples = load_jsonl(args.prompts, args.limit) if args.prompts else load_examples(args.dataset, args.limit)
+    except (OSError, ValueError, KeyError) as error:
+        flag = f"--prompts {args.prompts}" if args.prompts else f"--dataset {args.dataset}"
+        raise UsageError(f"{flag}: {first_line(error)}") from None
+    if not examples:
+        raise UsageError(f"--prompts {args.prompts}: no prompts in the file" if args.prompts
+                         else f"--dataset {args.dataset}: no examples")
+    return examples
+
+
+def _method_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in METHODS]
+    if unknown:
+        raise UsageError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
+    if names[0] != "greedy":
+        raise UsageError("--methods: the first method must be greedy: every speed-up and agreement is measured against it")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--methods: a method is listed twice in {text!r}")
+    return names
+
+
+def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example], RoutingMask | None, RoutingMask | None]:
+    """Everything that can be checked before the models load (minutes): methods, models, outputs, prompts, masks."""
+    names = _method_names(args.methods)
+    check_model(args.target, "--target")
+    check_model(args.drafter, "--drafter")
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plots:
+        check_output_dir(args.plots, "--plots")
+    examples = _examples(args)
+    mask = _mask_from("--mask", args.mask) if args.mask else _known_mask(args.target, (args.drafter,))
+    if mask is None and MASK_METHODS & set(names):
+        raise UsageError(
+            f"no routing mask is known for ({args.target}, {args.drafter}): pass --mask, find one with "
+            f"`viasd search --target {args.target} --drafter {args.drafter}`, or leave viasd and viasd_lossless "
+            "out of --methods"
+        )
+    self_mask = (
+        _mask_from("--self-draft-mask", args.self_draft_mask) if args.self_draft_mask
+        else _known_mask(args.target, ("self-drafter", "self"))
+    )
+    if self_mask is None and "self_spec" in names:
+        raise UsageError(
+            "self_spec needs a self-drafting mask for this target: pass --self-draft-mask, or find one with "
+            "`viasd search --drafter self --skip-ratio 0.45`, or leave self_spec out of --methods"
+        )
+    return names, examples, mask, self_mask
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
     import torch
 
-    from ..models import load_pretrained
     from .report import environment, markdown, per_task_markdown, plots, time_markdown
     from .runner import machine_bandwidth_gb_s, run_methods, summarise
 
+    names, examples, mask, self_mask = check_bench_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = args.methods.split(",")
-    examples = _examples(args)
-    target, tokenizer = load_pretrained(args.target, dtype=args.dtype)
-    drafter, _ = load_pretrained(args.drafter, dtype=args.dtype)
-    mask = RoutingMask.from_pretrained(args.mask) if args.mask else _known_mask(args.target, (args.drafter,), target)
-    if mask is None:
-        raise SystemExit(
-            f"no routing mask is known for ({args.target}, {args.drafter}): pass --mask, or find one with "
-            f"`viasd search --target {args.target} --drafter {args.drafter}`"
-        )
-    mask.validate_for(target)
-    self_mask = (
-        RoutingMask.from_pretrained(args.self_draft_mask) if args.self_draft_mask
-        else _known_mask(args.target, ("self-drafter", "self"), target)
-    )
+    target, tokenizer = load_model(args.target, args.dtype, "--target")
+    drafter, _ = load_model(args.drafter, args.dtype, "--drafter")
+    for flag, known in (("--mask", mask), ("--self-draft-mask", self_mask)):
+        try:
+            if known is not None:
+                known.validate_for(target)
+        except RoutingMaskError as error:
+            raise UsageError(f"{flag}: {first_line(error)}") from None
     settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens)
     methods = MethodTable(target, drafter, mask, self_mask, settings).build(names)
     runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature)
     weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if name in DRAFTER_METHODS else 0) for name in names}
     summary = summarise(runs, examples, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), weights)
     env = environment(machine_bandwidth_gb_s())
+    if args.json:  # first, so that nothing printed below can lose the run
+        report = _report(args, summary, env, examples, mask, self_mask, runs, tokenizer)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(summary))
     print()
     print("Speed-up over greedy per task:")
@@ -110,16 +179,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
     print(f"\n{env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {args.dtype} · "
           f"machine copy bandwidth {env['machine_bandwidth_gb_s']:.1f} GB/s · {env['date']}")
     if args.json:
-        report = _report(args, summary, env, examples, mask, self_mask, runs, tokenizer)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
     if args.plots:
         for path in plots(summary, args.plots):
             print(f"wrote {path}")
     return 0
 
 
-def _report(args: argparse.Namespace, summary: dict, env: dict, examples: list[Example], mask: RoutingMask,
+def _report(args: argparse.Namespace, summary: dict, env: dict, examples: list[Example], mask: RoutingMask | None,
             self_mask: RoutingMask | None, runs: dict, tokenizer: Any) -> dict[str, Any]:
     """Everything needed to check or redo the run: command, environment, masks, figures and every output."""
     options = {key: value for key, value in vars(args).items() if key not in ("handler", "command")}
@@ -128,7 +195,8 @@ def _report(args: argparse.Namespace, summary: dict, env: dict, examples: list[E
         "options": options,
         "environment": env,
         "tasks": {task: sum(e.task == task for e in examples) for task in dict.fromkeys(e.task for e in examples)},
-        "masks": {"routing_mask": mask.to_dict(), "self_draft_mask": self_mask.to_dict() if self_mask else None},
+        "masks": {"routing_mask": mask.to_dict() if mask else None,
+                  "self_draft_mask": self_mask.to_dict() if self_mask else None},
         "methods": summary,
         "outputs": {
             name: [

@@ -175,5 +175,8 @@ class MethodTable:
         if name == "two_tier":
             return _viasd_method(target, ViaSDConfig(use_slim=False, **drafting), drafter)
         if name == "viasd":
-            return _viasd_method(target, ViaSDConfig.paper(routing_mask=self.mask, **drafting), drafter)
+            # the wall-clock controller, so the slim tier runs wherever it pays on this machine; the
+            # default ("fixed" for tiered mode) trades that for reproducible output
+            config = ViaSDConfig.paper(routing_mask=self.mask, tier_switching="measured", **drafting)
+            return _viasd_method(target, config, drafter)
         return _viasd_method(target, ViaSDConfig(routing_mask=self.mask, mode="lossless", **drafting), drafter)

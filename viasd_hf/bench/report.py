@@ -104,6 +104,8 @@ def plots(summary: dict[str, dict[str, Any]], directory: str | Path) -> list[Pat
     directory.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(figsize=(6, 4.5))
     for name, row in summary.items():
+        if row["speedup_vs_greedy"] is None:  # greedy produced no token on any prompt
+            continue
         axes.scatter(row["quality"]["greedy_agreement"], row["speedup_vs_greedy"], s=40)
         axes.annotate(name, (row["quality"]["greedy_agreement"], row["speedup_vs_greedy"]), fontsize=8,
                       xytext=(4, 3), textcoords="offset points")

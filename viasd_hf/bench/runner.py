@@ -107,6 +107,10 @@ def run_methods(
     temperature: float | None = None,
 ) -> dict[str, MethodRuns]:
     """Decode every example with every method, interleaved; greedy unless ``temperature`` is given (seeded alike)."""
+    if not examples or not methods or repeats < 1:  # refused before the run: a summary of nothing would crash after it
+        raise ValueError(
+            f"nothing to run: {len(examples)} examples, {len(methods)} methods, {repeats} repeats (each must be >= 1)"
+        )
     common: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "do_sample": False,
@@ -194,10 +198,11 @@ def _time_shares(stats: list[dict[str, Any]]) -> dict[str, float]:
     return shares | {"overhead": 1.0 - sum(shares.values())}
 
 
-def _speed(runs: MethodRuns, greedy: MethodRuns, indexes: list[int]) -> dict[str, float]:
-    ratios = [runs.tokens_per_s(i) / greedy.tokens_per_s(i) for i in indexes]
+def _speed(runs: MethodRuns, greedy: MethodRuns, indexes: list[int]) -> dict[str, float | None]:
+    """Medians over prompts; a prompt greedy answered with no token has no speed to compare with (None if all)."""
+    ratios = [runs.tokens_per_s(i) / greedy.tokens_per_s(i) for i in indexes if greedy.tokens_per_s(i) > 0]
     return {
-        "speedup_vs_greedy": statistics.median(ratios),
+        "speedup_vs_greedy": statistics.median(ratios) if ratios else None,
         "tokens_per_s": statistics.median(runs.tokens_per_s(i) for i in indexes),
     }
 

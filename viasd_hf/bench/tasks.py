@@ -1,4 +1,4 @@
-"""Evaluation examples from the offline datasets in ``shared/data`` (see its README).
+"""Evaluation examples from the datasets shipped in ``viasd_hf/bench/data`` (see its README).
 
 Every loader returns the same :class:`Example` shape, so the bench can run any decoding method
 over any dataset and score it with :func:`viasd_hf.bench.quality.quality`. ``limit`` always takes
@@ -58,10 +58,14 @@ HUMANEVAL_INSTRUCTION = (
 GSM8K_INSTRUCTION = "Solve step by step and end with a line of the form '#### <number>'."
 
 
+# Inside the package, so a fresh clone and a pip install both have it (package data in pyproject.toml).
+PACKAGED_DATA = Path(__file__).resolve().parent / "data"
+
+
 def data_dir() -> Path:
-    """``$VIASD_DATA``, else ``shared/data`` beside the repository checkout."""
+    """``$VIASD_DATA`` (another copy with the same layout, e.g. full-size sets), else :data:`PACKAGED_DATA`."""
     env = os.environ.get("VIASD_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
+    return Path(env) if env else PACKAGED_DATA
 
 
 def _data_file(relative: str) -> Path:
