@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from torch import nn
+from transformers.generation.streamers import BaseStreamer
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -206,3 +207,26 @@ class TokensPerCall:
 
     def __exit__(self, *exc) -> None:
         self.handle.remove()
+
+
+def near_copy(model: PreTrainedModel, scale: float = 0.003, seed: int = 1) -> PreTrainedModel:
+    """A drafter close to ``model`` (so most drafts are accepted, but not all): a deep copy with small seeded noise."""
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            noise = torch.randn(parameter.shape, generator=torch.Generator().manual_seed(seed), dtype=parameter.dtype)
+            parameter.add_(noise * scale)
+    return copied
+
+
+class RecordingStreamer(BaseStreamer):
+    """Keeps every ``put`` as a list of ids, and whether ``end`` was called."""
+
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import zoo
-from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+from viasd_hf import RoutingMask, ViaSDConfig, decoding, enable_viasd
 from viasd_hf.adaptive import BlockCost, DraftLength, RepairLedger, TierController, measures_wall_clock
+from viasd_hf.architectures import decoder_layers
 
 
 def drive(controller: TierController, cost_on: float, cost_off: float, blocks: int) -> list[bool]:
@@ -59,8 +60,33 @@ def test_draft_length_grows_with_acceptance_and_shrinks_on_rejection():
     assert length.length == 1
 
 
+class LayerClock:
+    """A clock that ticks once per decoder layer run: what a pass costs, without the machine's load in it.
+
+    Installed as the decoder's ``time``, it makes a controller test on a real model deterministic: a
+    slim pass costs its kept layers, a full pass all of them.
+    """
+
+    def __init__(self, model):
+        self.ticks = 0.0
+        self.handles = [layer.register_forward_hook(self._tick) for layer in decoder_layers(model)]
+
+    def _tick(self, *_):
+        self.ticks += 1.0
+
+    def perf_counter(self) -> float:
+        return self.ticks
+
+    def __enter__(self) -> "LayerClock":
+        return self
+
+    def __exit__(self, *_) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 @pytest.mark.integration
-def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2():
+def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2(monkeypatch):
     model, tokenizer = zoo("smollm2-135m-instruct")
     enable_viasd(model)
     bad = RoutingMask.from_model(model, skip=list(range(2, 14)))  # 40 % of 30 layers: the slim tier is useless
@@ -68,7 +94,9 @@ def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2():
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     common = dict(max_new_tokens=96, do_sample=False, return_dict_in_generate=True, prompt_lookup_num_tokens=4)
     measured = ViaSDConfig.paper(routing_mask=bad, tier_switching="measured")
-    adaptive = model.generate(ids, viasd_config=measured, **common).viasd_stats
+    with LayerClock(model) as clock:
+        monkeypatch.setattr(decoding, "time", clock)
+        adaptive = model.generate(ids, viasd_config=measured, **common).viasd_stats
     forced = model.generate(ids, viasd_config=ViaSDConfig.paper(routing_mask=bad, adaptive=False), **common).viasd_stats
     assert adaptive.slim_off_blocks > adaptive.slim_on_blocks
     assert adaptive.tier_switches and adaptive.tier_switches[0]["slim_tier"] == "off"

@@ -4,7 +4,6 @@ failed call leaves anything on the model."""
 
 from __future__ import annotations
 
-import copy
 import sys
 import threading
 
@@ -13,7 +12,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import VOCAB, tiny_causal_lm
+from conftest import VOCAB, near_copy, tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, routed
 from viasd_hf.architectures import decoder_layers
 
@@ -33,12 +32,7 @@ def _one_thread_each(single_thread):
 @pytest.fixture(scope="module")
 def models():
     target = tiny_causal_lm("llama", seed=0, dtype=torch.float64)
-    assistant = copy.deepcopy(target)
-    with torch.no_grad():
-        for parameter in assistant.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1),
-                                       dtype=parameter.dtype) * 0.003)
-    return enable_viasd(target), assistant
+    return enable_viasd(target), near_copy(target)
 
 
 def prompt(seed: int) -> torch.Tensor:

@@ -11,9 +11,8 @@ import pickle
 
 import pytest
 import torch
-from transformers.generation.streamers import BaseStreamer
 
-from conftest import VOCAB, tiny_causal_lm
+from conftest import VOCAB, RecordingStreamer, near_copy, tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, ViaSDGenerationMixin, disable_viasd, enable_viasd, viasd_generate
 from viasd_hf.architectures import decoder_layers
 
@@ -27,12 +26,7 @@ def _one_thread(single_thread):
 
 def target_and_assistant():
     target = tiny_causal_lm("llama", seed=0, dtype=torch.float64)
-    assistant = copy.deepcopy(target)
-    with torch.no_grad():
-        for parameter in assistant.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1),
-                                       dtype=parameter.dtype) * 0.003)
-    return target, assistant
+    return target, near_copy(target)
 
 
 def prompt(seed: int = 0) -> torch.Tensor:
@@ -193,17 +187,6 @@ def test_custom_generate_callable_refuses_two_different_drafters():
     with pytest.raises(ValueError, match="assistant_model.*drafter"):
         target.generate(prompt(), custom_generate=viasd_generate, assistant_model=assistant,
                         drafter=copy.deepcopy(assistant), viasd_config=lossless(target), max_new_tokens=4, **GREEDY)
-
-
-class RecordingStreamer(BaseStreamer):
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, value):
-        self.chunks.append(value.reshape(-1).tolist())
-
-    def end(self):
-        self.ended = True
 
 
 def test_custom_generate_callable_streams_to_the_streamer_passed_to_generate():

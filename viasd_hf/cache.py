@@ -43,5 +43,7 @@ def crop_to(cache: Cache, length: int) -> None:
         extra = layer.get_seq_length() - length
         if extra > 0:
             layer.crop(-extra)
-        elif getattr(layer, "is_sliding", False):
-            layer.crop(0)  # trims a past-recording sliding layer back to its window
+        elif getattr(layer, "is_sliding", False) and layer.is_initialized:
+            # trims a past-recording sliding layer back to its window; a layer that no pass has
+            # written yet (skipped by the first routed pass of a one-token prompt) holds nothing to trim
+            layer.crop(0)

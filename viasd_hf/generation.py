@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,8 @@ from .cache import new_cache
 from .config import ViaSDConfig
 from .decoding import DecodingState, ViaSDDecoder, check_supported
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter, SelfDrafter
+from .hub import default_masks_repo
+from .mask_cache import cached_mask
 from .masks import RoutingMask
 from .stats import ViaSDStats
 
@@ -65,11 +68,6 @@ def resolve_mask(spec: RoutingMask | str | None, model: nn.Module, drafter_id: s
     Paths, Hub ids and the pair's default mask are looked up once per (model, drafter, spec) and
     then reused (``viasd_hf.mask_cache``): ``generate`` must not ask the Hub on every call.
     """
-    import os
-
-    from .hub import default_masks_repo
-    from .mask_cache import cached_mask
-
     if isinstance(spec, RoutingMask):
         mask = spec
     elif spec is None:
