@@ -346,12 +346,19 @@ def controller_for(model: nn.Module, mask: RoutingMask, key: tuple, lossless: bo
     with _CONTROLLERS_LOCK:
         per_model = _CONTROLLERS.setdefault(model, {})
         if key not in per_model:
+            slim_on = starts_with_slim_tier(mask, lossless)
             if lossless:
                 kept_fraction = len(mask.kept_layers) / mask.num_layers
-                per_model[key] = TierController(slim_on=False, estimate=RepairLedger(kept_fraction))
+                per_model[key] = TierController(slim_on=slim_on, estimate=RepairLedger(kept_fraction))
             else:
-                per_model[key] = TierController(slim_on=predicted_to_pay(mask), estimate=WallClock())
+                per_model[key] = TierController(slim_on=slim_on, estimate=WallClock())
         return per_model[key]
+
+
+def starts_with_slim_tier(mask: RoutingMask, lossless: bool) -> bool:
+    """The choice before anything is measured: the mask's offline prediction in tiered mode; off in
+    lossless mode, where a repair adds at most one token per block for a whole slim pass."""
+    return not lossless and predicted_to_pay(mask)
 
 
 def measures_wall_clock(tier_switching: str, lossless: bool, do_sample: bool) -> bool:
@@ -379,7 +386,7 @@ class FixedChoice:
 
     @classmethod
     def for_mask(cls, mask: RoutingMask, lossless: bool) -> FixedChoice:
-        return cls(slim_on=not lossless and predicted_to_pay(mask))
+        return cls(slim_on=starts_with_slim_tier(mask, lossless))
 
     def use_slim(self) -> bool:
         return self.slim_on
