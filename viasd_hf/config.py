@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import json
-import numbers
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from .checks import is_int, is_real
 from .masks import RoutingMask
 
 CONFIG_FILENAME = "viasd_config.json"
 MODES = ("tiered", "lossless")
 CONFIDENCE_SIGNALS = ("ratio", "probability")
 TIER_SWITCHING = ("auto", "measured", "fixed")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _wrong_type(name: str, expected: str, value: Any) -> TypeError:
@@ -117,16 +109,16 @@ class ViaSDConfig:
 
     def _check_types(self) -> None:
         for name in ("num_draft_tokens", "max_slim_backlog"):
-            if not _is_int(getattr(self, name)):
+            if not is_int(getattr(self, name)):
                 raise _wrong_type(name, "an int", getattr(self, name))
         for name in ("use_slim", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise _wrong_type(name, "True or False", getattr(self, name))
         for name in ("tau_accept", "tau_escalate"):
-            if not _is_real(getattr(self, name)):
+            if not is_real(getattr(self, name)):
                 raise _wrong_type(name, "a number", getattr(self, name))
         for name in ("draft_confidence_threshold", "cascade_lenience"):
-            if getattr(self, name) is not None and not _is_real(getattr(self, name)):
+            if getattr(self, name) is not None and not is_real(getattr(self, name)):
                 raise _wrong_type(name, "a number or None", getattr(self, name))
         for name in ("routing_mask", "self_draft_mask"):
             if not isinstance(getattr(self, name), (RoutingMask, str, os.PathLike, type(None))):

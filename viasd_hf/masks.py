@@ -8,7 +8,6 @@ other. It also records how it was found, so a mask pulled from the Hub explains 
 from __future__ import annotations
 
 import json
-import numbers
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from torch import nn
 
 from . import __version__
 from .architectures import config_fingerprint, model_config, num_decoder_layers, protected_layers
+from .checks import is_int, is_real
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -27,14 +27,6 @@ SCHEMA_VERSION = 1
 
 class RoutingMaskError(ValueError):
     """A routing mask that is malformed or does not belong to the model it is applied to."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _wrong_type(name: str, expected: str, value: Any) -> RoutingMaskError:
@@ -94,13 +86,13 @@ class RoutingMask:
         if not isinstance(self.kept_layers, (list, tuple, range)):
             raise _wrong_type("kept_layers", "a list of layer indices (ints)", self.kept_layers)
         for layer in self.kept_layers:
-            if not _is_int(layer):
+            if not is_int(layer):
                 raise RoutingMaskError(
                     f"routing mask field 'kept_layers' must hold layer indices (ints), got {layer!r} "
                     f"({type(layer).__name__}) in {list(self.kept_layers)!r}"
                 )
         for name in ("num_layers", "schema_version"):
-            if not _is_int(getattr(self, name)):
+            if not is_int(getattr(self, name)):
                 raise _wrong_type(name, "an int", getattr(self, name))
         if self.num_layers < 1:
             raise RoutingMaskError(f"routing mask field 'num_layers' must be >= 1, got {self.num_layers}")
@@ -111,10 +103,10 @@ class RoutingMask:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise _wrong_type(name, "a string or null", getattr(self, name))
         for name in _REAL_FIELDS:
-            if not _is_real(getattr(self, name)):
+            if not is_real(getattr(self, name)):
                 raise _wrong_type(name, "a number", getattr(self, name))
         for name in _OPTIONAL_REAL_FIELDS:
-            if getattr(self, name) is not None and not _is_real(getattr(self, name)):
+            if getattr(self, name) is not None and not is_real(getattr(self, name)):
                 raise _wrong_type(name, "a number or null", getattr(self, name))
         if not isinstance(self.metadata, dict):
             raise _wrong_type("metadata", "a JSON object (dict)", self.metadata)
