@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from conftest import zoo
-from viasd_hf import RoutingMask, ViaSDConfig, decoding, enable_viasd
+from viasd_hf import RoutingMask, ViaSDConfig, decoding, enable_viasd, verifier
 from viasd_hf.adaptive import BlockCost, DraftLength, RepairLedger, TierController, measures_wall_clock
 from viasd_hf.architectures import decoder_layers
+from viasd_hf.tier_memory import tier_memory
 
 
 def drive(controller: TierController, cost_on: float, cost_off: float, blocks: int) -> list[bool]:
@@ -96,6 +97,7 @@ def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2(monkeypatch):
     measured = ViaSDConfig.paper(routing_mask=bad, tier_switching="measured")
     with LayerClock(model) as clock:
         monkeypatch.setattr(decoding, "time", clock)
+        monkeypatch.setattr(verifier, "time", clock)
         adaptive = model.generate(ids, viasd_config=measured, **common).viasd_stats
     forced = model.generate(ids, viasd_config=ViaSDConfig.paper(routing_mask=bad, adaptive=False), **common).viasd_stats
     assert adaptive.slim_off_blocks > adaptive.slim_on_blocks
@@ -172,12 +174,12 @@ def test_a_block_that_clears_the_slim_backlog_is_charged_to_the_slim_tier(monkey
 
     target = tiny_causal_lm("llama", seed=0)
     controller = ScriptedController([True, True, False, False])
-    monkeypatch.setattr(decoding, "controller_for", lambda model, mask, key, lossless: controller)
+    monkeypatch.setattr(decoding, "tier_choice", lambda model, mask, drafter, config, do_sample: controller)
     backlogs = []
     original_step = decoding.ViaSDDecoder.step
 
     def recording_step(self, state):
-        backlogs.append(state.length - state.full_length - 1)
+        backlogs.append(state.length - state.target_cache.length - 1)
         original_step(self, state)
 
     monkeypatch.setattr(decoding.ViaSDDecoder, "step", recording_step)
@@ -270,21 +272,13 @@ def test_lossless_repairs_that_pay_turn_the_slim_tier_on():
 
 
 def test_a_repair_is_credited_by_what_the_full_model_did_with_it():
-    from types import SimpleNamespace
+    from viasd_hf.policies import repair_credit
 
-    from viasd_hf.decoding import Repair, ViaSDDecoder
-    from viasd_hf.drafters import Draft
-
-    def credit(repair, committed):
-        decoder = SimpleNamespace(producers=["drafter"] * (len(committed) - 1) + ["full"])
-        return ViaSDDecoder.credit_repair(decoder, repair, committed), decoder.producers
-
-    repair = Repair(Draft(tokens=[5, 9], probs=[None, None]), position=1, replaced=7)
-    assert credit(repair, [5, 9, 4]) == (1, ["drafter", "slim", "full"]), "the full model kept the repaired token"
-    assert credit(repair, [5, 7]) == (-1, ["drafter", "full"]), "it chose the draft the slim tier threw away"
-    assert credit(repair, [5, 3]) == (0, ["drafter", "full"]), "it rejected both"
-    assert credit(repair, [8]) == (0, ["full"]), "it rejected an earlier draft"
-    assert credit(Repair(Draft(tokens=[5, 9], probs=[None, None])), [5, 9, 4])[0] == 0, "no repair, no gain"
+    # the slim tier replaced the draft 7 at position 1 by 9
+    assert repair_credit(1, 7, [5, 9, 4]) == 1, "the full model kept the repaired token"
+    assert repair_credit(1, 7, [5, 7]) == -1, "it chose the draft the slim tier threw away"
+    assert repair_credit(1, 7, [5, 3]) == 0, "it rejected both"
+    assert repair_credit(1, 7, [8]) == 0, "it rejected an earlier draft"
 
 
 @pytest.mark.integration
@@ -349,14 +343,12 @@ def test_tier_switching_is_validated():
 
 
 def generate_stats(target, mask, config: dict, do_sample: bool):
-    from viasd_hf.adaptive import _CONTROLLERS
-
-    _CONTROLLERS.pop(target, None)
+    tier_memory(target).reset()
     torch.manual_seed(0)
     out = target.generate(torch.tensor([[3, 17, 5, 3, 17, 5]]), viasd_config=ViaSDConfig(routing_mask=mask, **config),
                           prompt_lookup_num_tokens=3, max_new_tokens=24, do_sample=do_sample, pad_token_id=0,
                           return_dict_in_generate=True)
-    return out.viasd_stats, target in _CONTROLLERS
+    return out.viasd_stats, bool(target.viasd_tier_memory.controllers)
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])

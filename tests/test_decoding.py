@@ -338,9 +338,9 @@ def test_tiered_greedy_with_the_slim_model_drafting_is_the_slim_models_greedy_ou
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
 def test_tiered_greedy_regenerating_every_draft_is_the_slim_models_greedy_output(pair, kind):
-    """τ_acc = 1, τ_esc = 0: no draft is good enough and none is escalated, so the slim verifier regenerates
-    one token per block, whatever the drafter proposed: its own greedy output again. The last block has no
-    room for a draft and is decoded by the full model, so that token is left out of the comparison."""
+    """τ_acc = 1, τ_esc = 0: no draft is kept on confidence and none is escalated, so the slim verifier keeps
+    only drafts that are its own argmax and replaces the first other one: its own greedy output again. The
+    last block has no room for a draft and is decoded by the full model, so that token is left out."""
     model = tiny_causal_lm(kind, seed=3, dtype=torch.float64)
     drafter = perturbed_copy(model, 0.01, seed=5)
     skip = TIERED_REFERENCE_SKIPS[kind]
@@ -352,9 +352,10 @@ def test_tiered_greedy_regenerating_every_draft_is_the_slim_models_greedy_output
     assert torch.equal(out.sequences[:, :-1], reference[:, :-1])
     stats = out.viasd_stats
     assert_stats_consistent(stats, new_tokens, "tiered")
-    assert stats.accepted_tokens == stats.escalated_blocks == 0
-    assert stats.slim_forwards == stats.slim_tokens == stats.slim_committed_tokens == new_tokens - 1
-    assert stats.decode_full_forwards == 1 and stats.blocks == new_tokens
+    assert stats.accepted_tokens == stats.slim_accepted_tokens and stats.escalated_blocks == 0
+    assert stats.slim_forwards == stats.slim_tokens == stats.blocks - 1
+    assert stats.slim_committed_tokens == new_tokens - 1
+    assert stats.decode_full_forwards == 1 and stats.blocks == new_tokens - stats.accepted_tokens
 
 
 def test_stats_count_the_passes_the_model_really_ran(pair, masks):

@@ -86,7 +86,8 @@ def test_t5_lossless_sampling_matches_the_target_distribution():
     for seed in range(n):
         torch.manual_seed(seed)
         state = initial_state(model, start.clone(), {"encoder_outputs": encoder_outputs})
-        decoder = ViaSDDecoder(model, SelfDrafter(model, heavy, processors, None, do_sample=True), config, slim, processors,
+        drafter = SelfDrafter(model, heavy, state.target_cache, processors, None, do_sample=True)
+        decoder = ViaSDDecoder(model, drafter, config, slim, processors,
                                StoppingCriteriaList(), max_length=3, do_sample=True, check_invariants=True)
         counts[tuple(decoder.run(state).ids[0, 1:].tolist())] += 1
         stats.append(decoder.stats)

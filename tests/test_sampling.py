@@ -15,13 +15,16 @@ import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper
 
+import viasd_hf.accept as accept
 import viasd_hf.decoding as decoding
+import viasd_hf.policies as policies
 import viasd_hf.sampling as sampling
 from conftest import assert_stats_consistent, tiny_causal_lm, work_done
 from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
-from viasd_hf.cache import new_cache
-from viasd_hf.decoding import DecodingState, ViaSDDecoder
+from viasd_hf.accept import Draft
+from viasd_hf.decoding import ViaSDDecoder
 from viasd_hf.drafters import AssistantDrafter, PromptLookupDrafter
+from viasd_hf.generation import initial_state
 from viasd_hf.sampling import RandomStream, cascade_target, rejection_step
 
 VOCAB = 8
@@ -97,7 +100,7 @@ def run(target, drafter, config, max_new_tokens, seed, prompt_lookup=False, prom
     decoder = ViaSDDecoder(target, chosen, config, config.routing_mask if config.use_slim else None, processors(),
                            StoppingCriteriaList(), max_length=prompt.shape[1] + max_new_tokens, do_sample=True,
                            check_invariants=True)
-    state = DecodingState(prompt.clone(), new_cache(target.config), full_length=0, prompt_attention_mask=None)
+    state = initial_state(target, prompt.clone(), {})
     tokens = decoder.run(state).ids[0, prompt.shape[1]:].tolist()
     if stats is not None:
         stats.append(decoder.stats)
@@ -182,24 +185,21 @@ def test_the_tv_bound_catches_a_wrong_residual(models, monkeypatch):
         uniform = torch.rand((), generator=rng.on(target.device))
         return None if uniform * proposal[token] < target[token] else sampling.sample(target, rng)
 
-    monkeypatch.setattr(decoding, "rejection_step", resample_from_target)
+    monkeypatch.setattr(accept, "rejection_step", resample_from_target)
     monkeypatch.setattr(sampling, "rejection_step", resample_from_target)
     config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
     assert two_token_tv(models, config) > 0.07
 
 
 def test_the_tv_bound_catches_a_wrong_proposal(models, monkeypatch):
-    monkeypatch.setattr(decoding.ViaSDDecoder, "repaired_by_slim", lambda self, state, draft: decoding.Repair(draft))
     monkeypatch.setattr(sampling, "cascade_target", lambda p, q, unscaled, tau: q)
-    original = decoding.ViaSDDecoder.verify_with_full_model
 
-    def verify_against_slim(self, state, draft):
-        slim_scores = self.slim_pass(state, draft).scores
-        wrong = copy.copy(draft)
-        wrong.probs = list(slim_scores.softmax(-1)[: len(draft.tokens)])
-        return original(self, state, wrong)
+    def verify_against_slim(tiers, state, draft):
+        """No repair, and the full model told the drafts follow the slim verifier's distribution."""
+        slim_scores = tiers.slim.score(state, draft.tokens).scores
+        return policies.two_tier(tiers, state, Draft(draft.tokens, list(slim_scores.softmax(-1)[: len(draft.tokens)])))
 
-    monkeypatch.setattr(decoding.ViaSDDecoder, "verify_with_full_model", verify_against_slim)
+    monkeypatch.setattr(decoding, "lossless", verify_against_slim)
     config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
     assert two_token_tv(models, config) > 0.07
 

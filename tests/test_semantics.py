@@ -10,8 +10,8 @@ from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, Stop
 import viasd_hf.generation as generation
 from conftest import VOCAB, tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, viasd_generate
-from viasd_hf.decoding import DecodingState
-from viasd_hf.drafters import Draft, PromptLookupDrafter
+from viasd_hf.accept import Draft
+from viasd_hf.drafters import PromptLookupDrafter
 from viasd_hf.tiers import forbidden
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -55,11 +55,10 @@ class ForbiddenDrafter:
 
     def __init__(self, processors: LogitsProcessorList) -> None:
         self.processors = processors
-        self.forwards, self.seconds = 0, 0.0
         self.proposed: list[int] = []
 
-    def draft(self, state, max_tokens, *rng) -> Draft:
-        sequence, tokens = state.ids, []
+    def draft(self, ids, max_tokens, *rng) -> Draft:
+        sequence, tokens = ids, []
         while len(tokens) < max_tokens:
             banned = forbidden(self.processors(sequence, torch.zeros((1, VOCAB))))[0].nonzero()[:, 0].tolist()
             if not banned:
@@ -70,7 +69,7 @@ class ForbiddenDrafter:
             sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=-1)
         return Draft(tokens=tokens, probs=[None] * len(tokens))
 
-    def commit(self, state) -> None:
+    def commit(self, ids) -> None:
         pass
 
 
@@ -135,14 +134,13 @@ def repetitive_prompt(seed: int) -> torch.Tensor:
 
 def test_prompt_lookup_cuts_its_draft_before_a_forbidden_token():
     ids = torch.tensor([[11, 12, 13, 14, 11, 12]])
-    state = DecodingState(ids, None, 0, None)
-    assert PromptLookupDrafter(4).draft(state, 4, None).tokens == [13, 14, 11, 12]
+    assert PromptLookupDrafter(4).draft(ids, 4, None).tokens == [13, 14, 11, 12]
     no_repeat = LogitsProcessorList([NoRepeatNGramLogitsProcessor(3)])
     # (11, 12, 13) was seen: 13 is forbidden after 11 12, so every match yields nothing
-    assert PromptLookupDrafter(4, no_repeat, VOCAB).draft(state, 4, None).tokens == []
-    state = DecodingState(torch.tensor([[11, 12, 13, 14, 20, 12]]), None, 0, None)
+    assert PromptLookupDrafter(4, no_repeat, VOCAB).draft(ids, 4, None).tokens == []
+    ids = torch.tensor([[11, 12, 13, 14, 20, 12]])
     # copies 13 14 20 12 after the 12: (20, 12, 13) is new, (12, 13, 14) was seen, so 14 is cut
-    assert PromptLookupDrafter(4, no_repeat, VOCAB).draft(state, 4, None).tokens == [13]
+    assert PromptLookupDrafter(4, no_repeat, VOCAB).draft(ids, 4, None).tokens == [13]
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -20,7 +20,8 @@ price of staying alert tends to nothing while the choice stays right, which is w
 slower than plain two-tier decoding" needs when the slim tier does not pay.
 
 Measurements persist across ``generate`` calls on the same model, mask and drafter (as HF keeps
-its assistant's confidence threshold), so short generations do not pay the warm-up every time.
+its assistant's confidence threshold), so short generations do not pay the warm-up every time;
+they live where the user can see and reset them (``tier_memory.TierMemory``).
 The starting choice is the mask's own offline prediction (DIMR's insertion criterion) in tiered
 mode, and off in lossless mode. A switch needs evidence beyond the measurements' noise, and a
 switch to the slim tier a clear margin as well: two-tier decoding is the safe choice.
@@ -36,12 +37,8 @@ or ``"auto"``: measured exactly where the choice cannot change the output.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Protocol
-from weakref import WeakKeyDictionary
-
-from torch import nn
 
 from .masks import RoutingMask
 
@@ -324,10 +321,6 @@ class DraftLength:
             self.length = max(1, self.length - 1)
 
 
-_CONTROLLERS: WeakKeyDictionary[nn.Module, dict[tuple, TierController]] = WeakKeyDictionary()
-_CONTROLLERS_LOCK = threading.Lock()  # concurrent generate calls on one model share the registry
-
-
 def predicted_to_pay(mask: RoutingMask) -> bool:
     """Whether the mask's DIMR search predicted the slim tier to pay (insertion criterion Δ > 0 and a
     predicted speed-up above 1); masks without that record are given the benefit of the doubt."""
@@ -336,23 +329,16 @@ def predicted_to_pay(mask: RoutingMask) -> bool:
     return not ((delta is not None and delta <= 0) or (speedup is not None and speedup < 1))
 
 
-def controller_for(model: nn.Module, mask: RoutingMask, key: tuple, lossless: bool) -> TierController:
-    """The controller that has been measuring this model with this mask, drafter and mode (new if none).
+def new_controller(mask: RoutingMask, lossless: bool) -> TierController:
+    """A controller that has measured nothing yet.
 
-    A new tiered controller starts from the mask's offline prediction, a new lossless one with the
-    slim tier off (its repairs add at most one token per block, for a whole slim pass); measurements
-    then decide.
+    A tiered one starts from the mask's offline prediction, a lossless one with the slim tier off
+    (its repairs add at most one token per block, for a whole slim pass); measurements then decide.
     """
-    with _CONTROLLERS_LOCK:
-        per_model = _CONTROLLERS.setdefault(model, {})
-        if key not in per_model:
-            slim_on = starts_with_slim_tier(mask, lossless)
-            if lossless:
-                kept_fraction = len(mask.kept_layers) / mask.num_layers
-                per_model[key] = TierController(slim_on=slim_on, estimate=RepairLedger(kept_fraction))
-            else:
-                per_model[key] = TierController(slim_on=slim_on, estimate=WallClock())
-        return per_model[key]
+    slim_on = starts_with_slim_tier(mask, lossless)
+    if lossless:
+        return TierController(slim_on=slim_on, estimate=RepairLedger(len(mask.kept_layers) / mask.num_layers))
+    return TierController(slim_on=slim_on, estimate=WallClock())
 
 
 def starts_with_slim_tier(mask: RoutingMask, lossless: bool) -> bool:
@@ -377,7 +363,7 @@ class FixedChoice:
     """``tier_switching="fixed"``: the slim tier runs on every block or on none, as a new controller would start.
 
     That is the mask's offline prediction in tiered mode and off in lossless mode (see
-    ``controller_for``), decided from the mask alone, so neither timings nor earlier calls can
+    ``new_controller``), decided from the mask alone, so neither timings nor earlier calls can
     change a seeded call's output. It answers the decoder as a ``TierController`` does.
     """
 

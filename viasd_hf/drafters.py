@@ -1,55 +1,45 @@
 """Drafters: whatever proposes the next few tokens, behind one small protocol.
 
+A drafter sees only the committed token ids; what it keeps between blocks is its own business.
+
 - ``AssistantDrafter``: a smaller model sharing the target's tokenizer, with its own KV cache
   cropped back to the committed prefix after each block.
-- ``SelfDrafter``: the target routed with a heavier mask; it reads the full model's committed
-  KV cache and crops its provisional writes away, so it costs no memory or extra weights.
+- ``SelfDrafter``: the target routed with a heavier mask. It drafts on the target's own cache
+  (``TargetCache.provisional``), so it costs no memory or extra weights and leaves nothing behind.
 - ``PromptLookupDrafter``: copies the continuation of the last n-gram's earlier occurrence.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import Protocol
 
 import torch
 from torch import nn
 from transformers import LogitsProcessorList
 
+from .accept import Draft
 from .cache import crop_to, new_cache
 from .masks import RoutingMask
 from .routing import skipping
 from .sampling import RandomStream, sample
+from .state import ModelInputs, TargetCache
 from .tiers import forbidden
-
-if TYPE_CHECKING:
-    from .decoding import DecodingState
-
-
-@dataclass
-class Draft:
-    """Proposed tokens, and the processed distribution each was drawn from (``None`` when not a model)."""
-
-    tokens: list[int]
-    probs: list[torch.Tensor | None]
 
 
 class Drafter(Protocol):
     name: str
-    forwards: int
-    seconds: float
 
-    def draft(self, state: DecodingState, max_tokens: int, rng: RandomStream | None) -> Draft:
-        """Up to ``max_tokens`` tokens; a sampling drafter draws them from the call's ``rng`` (``None`` when greedy)."""
+    def draft(self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None) -> Draft:
+        """Up to ``max_tokens`` tokens after ``ids``; a sampling drafter draws them from ``rng`` (``None`` when greedy)."""
 
-    def commit(self, state: DecodingState) -> None:
-        """Forget whatever the drafter processed that is no longer on the committed sequence."""
+    def commit(self, ids: torch.Tensor) -> None:
+        """``ids`` are now committed: forget whatever the drafter processed that is not on them."""
 
 
 class _ModelDrafter:
-    """Drafting with a causal LM (greedy, or sampling from the processed distribution); subclasses say
-    which model runs and on which cache."""
+    """Drafting with a causal LM, greedy or sampling from the processed distribution; it stops early once
+    unsure (``confidence_threshold``, as HF assisted generation). Subclasses say which model runs on which cache."""
 
     name = "model"
 
@@ -59,38 +49,35 @@ class _ModelDrafter:
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
         self.do_sample = do_sample
-        self.forwards = 0
-        self.seconds = 0.0
 
-    def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
+    def _drafting(self) -> AbstractContextManager:
+        """What holds while a draft is made (the self-drafter's routing and provisional cache writes)."""
+        return nullcontext()
+
+    def _pending(self, ids: torch.Tensor) -> torch.Tensor:
+        """The committed tokens this drafter's cache lacks; the next pass feeds them first."""
         raise NotImplementedError
 
-    def _pending(self, state: DecodingState) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _finish(self, state: DecodingState, drafted: int) -> None:
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of the last of ``tokens``, fed after what was fed before."""
         raise NotImplementedError
 
     @torch.no_grad()
-    def draft(self, state: DecodingState, max_tokens: int, rng: RandomStream | None) -> Draft:
-        started = time.perf_counter()
-        sequence = state.ids
-        feed = self._pending(state)
+    def draft(self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None) -> Draft:
+        sequence, feed = ids, self._pending(ids)
         draft = Draft(tokens=[], probs=[])
-        while len(draft.tokens) < max_tokens:
-            logits = self._forward(state, feed)[-1:].float()
-            self.forwards += 1
-            scores = self.logits_processor(sequence, logits)
-            probs = scores.softmax(-1)[0]
-            token = sample(probs, rng) if self.do_sample else int(scores.argmax(-1))
-            draft.tokens.append(token)
-            draft.probs.append(probs)
-            feed = torch.tensor([[token]], device=sequence.device)
-            sequence = torch.cat([sequence, feed], dim=-1)
-            if self.confidence_threshold is not None and probs[token].item() < self.confidence_threshold:
-                break
-        self._finish(state, len(draft.tokens))
-        self.seconds += time.perf_counter() - started
+        with self._drafting():
+            while len(draft.tokens) < max_tokens:
+                scores = self.logits_processor(sequence, self._forward(feed)[-1:].float())
+                draft.forwards += 1
+                probs = scores.softmax(-1)[0]
+                token = sample(probs, rng) if self.do_sample else int(scores.argmax(-1))
+                draft.tokens.append(token)
+                draft.probs.append(probs)
+                feed = torch.tensor([[token]], device=sequence.device)
+                sequence = torch.cat([sequence, feed], dim=-1)
+                if self.confidence_threshold is not None and probs[token].item() < self.confidence_threshold:
+                    break
         return draft
 
 
@@ -105,25 +92,24 @@ class AssistantDrafter(_ModelDrafter):
         logits_processor: LogitsProcessorList,
         confidence_threshold: float | None,
         do_sample: bool = False,
+        inputs: ModelInputs | None = None,
     ) -> None:
         super().__init__(logits_processor, confidence_threshold, do_sample)
         self.model = model
+        self.inputs = inputs or ModelInputs()
         self.cache = new_cache(model.config)
-        self.processed: list[int] = []
+        self.processed: list[int] = []  # the tokens in ``cache``, drafts included until ``commit``
 
-    def _pending(self, state: DecodingState) -> torch.Tensor:
-        return state.ids[:, len(self.processed) :]
+    def _pending(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids[:, len(self.processed) :]
 
-    def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
-        logits = state.forward(self.model, tokens, len(self.processed), self.cache, keep=1)
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.inputs.logits(self.model, tokens, len(self.processed), self.cache, keep=1)
         self.processed.extend(tokens[0].tolist())
         return logits
 
-    def _finish(self, state: DecodingState, drafted: int) -> None:
-        """The last drafted token was never fed; everything else stays until ``commit``."""
-
-    def commit(self, state: DecodingState) -> None:
-        committed = state.ids[0].tolist()
+    def commit(self, ids: torch.Tensor) -> None:
+        committed = ids[0].tolist()
         keep = 0
         for mine, theirs in zip(self.processed, committed):
             if mine != theirs:
@@ -135,7 +121,7 @@ class AssistantDrafter(_ModelDrafter):
 
 
 class SelfDrafter(_ModelDrafter):
-    """The target itself under a heavier routing mask, reading the full model's committed cache."""
+    """The target itself under a heavier routing mask, drafting provisionally on the target's cache."""
 
     name = "self"
 
@@ -143,6 +129,7 @@ class SelfDrafter(_ModelDrafter):
         self,
         model: nn.Module,
         mask: RoutingMask,
+        target_cache: TargetCache,
         logits_processor: LogitsProcessorList,
         confidence_threshold: float | None,
         do_sample: bool = False,
@@ -152,23 +139,26 @@ class SelfDrafter(_ModelDrafter):
         self.model = model
         self.mask = mask
         self.skipped = mask.skipped_layers  # validated once here, not on every drafting pass
+        self.target_cache = target_cache
         self._fed = 0
 
-    def _pending(self, state: DecodingState) -> torch.Tensor:
-        self._fed = state.full_length
-        return state.ids[:, state.full_length :]
+    def _drafting(self) -> AbstractContextManager:
+        stack = ExitStack()
+        stack.enter_context(self.target_cache.provisional())
+        stack.enter_context(skipping(self.model, self.skipped))
+        return stack
 
-    def _forward(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
-        with skipping(self.model, self.skipped):
-            logits = state.forward(self.model, tokens, self._fed, state.full_cache, keep=1)
+    def _pending(self, ids: torch.Tensor) -> torch.Tensor:
+        self._fed = self.target_cache.length
+        return ids[:, self._fed :]
+
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.target_cache.run(self.model, tokens, self._fed, keep=1)
         self._fed += tokens.shape[1]
         return logits
 
-    def _finish(self, state: DecodingState, drafted: int) -> None:
-        crop_to(state.full_cache, state.full_length)
-
-    def commit(self, state: DecodingState) -> None:
-        """Nothing to forget: every draft's cache writes were cropped when drafting ended."""
+    def commit(self, ids: torch.Tensor) -> None:
+        """Nothing to forget: the provisional writes were cropped when drafting ended."""
 
 
 class PromptLookupDrafter:
@@ -194,25 +184,18 @@ class PromptLookupDrafter:
         self.logits_processor = logits_processor
         self.vocab_size = vocab_size
         self.max_ngram_size = max_ngram_size
-        self.forwards = 0
-        self.seconds = 0.0
 
-    def draft(self, state: DecodingState, max_tokens: int, rng: RandomStream | None) -> Draft:
-        started = time.perf_counter()
-        tokens = state.ids[0].tolist()
-        proposal: list[int] = []
+    def draft(self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None) -> Draft:
+        tokens = ids[0].tolist()
         for size in range(min(self.max_ngram_size, len(tokens) - 1), 0, -1):
             tail = tokens[-size:]
             for start in range(len(tokens) - size - 1, -1, -1):
                 if tokens[start : start + size] == tail:
                     copied = tokens[start + size : start + size + min(self.num_tokens, max_tokens)]
-                    proposal = self.allowed_prefix(state.ids, copied)
+                    proposal = self.allowed_prefix(ids, copied)
                     if proposal:
-                        break
-            if proposal:
-                break
-        self.seconds += time.perf_counter() - started
-        return Draft(tokens=proposal, probs=[None] * len(proposal))
+                        return Draft(tokens=proposal, probs=[None] * len(proposal))
+        return Draft(tokens=[], probs=[])
 
     def allowed_prefix(self, ids: torch.Tensor, copied: list[int]) -> list[int]:
         """``copied`` cut before its first token that the logits processors forbid where it would go."""
@@ -225,5 +208,5 @@ class PromptLookupDrafter:
                 return copied[:i]
         return copied
 
-    def commit(self, state: DecodingState) -> None:
+    def commit(self, ids: torch.Tensor) -> None:
         """Stateless: the lookup reads the committed sequence afresh each block."""

@@ -40,12 +40,14 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEnc
 from .architectures import base_model, is_encoder_decoder, model_config
 from .cache import new_cache
 from .config import ViaSDConfig
-from .decoding import DecodingState, ViaSDDecoder, check_supported
+from .decoding import ViaSDDecoder
 from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter, SelfDrafter
 from .hub import default_masks_repo
 from .mask_cache import cached_mask
 from .masks import RoutingMask
+from .state import DecodingState, ModelInputs, TargetCache
 from .stats import ViaSDStats
+from .unsupported import check_supported
 
 
 @dataclass
@@ -104,6 +106,7 @@ def build_drafter(
     generation_config: GenerationConfig,
     logits_processor: LogitsProcessorList,
     assistant_model: nn.Module | None,
+    target_cache: TargetCache,
 ) -> Drafter:
     """Choose the drafter as HF users expect: assistant model, else prompt lookup, else the self-drafter."""
     if assistant_model is not None:
@@ -114,13 +117,16 @@ def build_drafter(
             )
         check_same_vocabulary(model, assistant_model)
         return AssistantDrafter(
-            assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample
+            assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
+            inputs=target_cache.inputs,
         )
     if generation_config.prompt_lookup_num_tokens:
         vocab_size = model_config(model).get_text_config().vocab_size
         return PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, logits_processor, vocab_size)
     mask = resolve_mask(config.self_draft_mask, model, "self-drafter")
-    return SelfDrafter(model, mask, logits_processor, config.draft_confidence_threshold, generation_config.do_sample)
+    return SelfDrafter(
+        model, mask, target_cache, logits_processor, config.draft_confidence_threshold, generation_config.do_sample
+    )
 
 
 def initial_state(model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> DecodingState:
@@ -128,8 +134,10 @@ def initial_state(model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict[
     cache = new_cache(model_config(model), model_kwargs.get("cache"))
     if is_encoder_decoder(model):
         encoder = {"encoder_outputs": model_kwargs["encoder_outputs"], "attention_mask": model_kwargs.get("attention_mask")}
-        return DecodingState(input_ids, cache, full_length=0, prompt_attention_mask=None, encoder_kwargs=encoder)
-    return DecodingState(input_ids, cache, full_length=0, prompt_attention_mask=model_kwargs.get("attention_mask"))
+        inputs = ModelInputs(encoder_kwargs=encoder)
+    else:
+        inputs = ModelInputs(prompt_attention_mask=model_kwargs.get("attention_mask"))
+    return DecodingState(input_ids, TargetCache(cache, inputs))
 
 
 class _AfterPrompt(BaseStreamer):
@@ -189,7 +197,8 @@ def viasd_generate(
     drafter, viasd_streamer = _taken_from_generate(drafter, viasd_streamer)
     config = ViaSDConfig.for_call(viasd_config)
     check_supported(model, input_ids, generation_config, model_kwargs)
-    chosen = build_drafter(model, config, generation_config, logits_processor, drafter)
+    state = initial_state(model, input_ids, model_kwargs)
+    chosen = build_drafter(model, config, generation_config, logits_processor, drafter, state.target_cache)
     slim_mask = None
     if config.use_slim:
         slim_mask = resolve_mask(config.routing_mask, model, _drafter_id(drafter))
@@ -209,7 +218,7 @@ def viasd_generate(
         check_invariants=viasd_check_invariants,
         do_sample=bool(generation_config.do_sample),
     )
-    state = decoder.run(initial_state(model, input_ids, model_kwargs))
+    decoder.run(state)
     if not generation_config.return_dict_in_generate:
         return state.ids
     outputs = {

@@ -35,7 +35,6 @@ _SKIPPED: ContextVar[frozenset[int]] = ContextVar("viasd_skipped_layers", defaul
 
 # one lock for all models: installing or removing a few switches takes microseconds
 _LOCK = threading.Lock()
-_SWITCHES: dict[int, _SkipSwitch] = {}  # by id(layer), per layer so a PEFT wrapper and its base model share them
 
 
 class _SkipSwitch:
@@ -60,20 +59,24 @@ class _SkipSwitch:
             self.layer.forward = self.replaced
 
 
+def _switch_of(layer: nn.Module) -> _SkipSwitch | None:
+    """The layer's switch, kept as its instance ``forward`` (so a PEFT wrapper and its base model share it)."""
+    forward = layer.__dict__.get("forward")
+    return forward if isinstance(forward, _SkipSwitch) else None
+
+
 def _acquire(layer: nn.Module, model: nn.Module) -> None:
-    switch = _SWITCHES.get(id(layer))
+    switch = _switch_of(layer)
     if switch is None:
         switch = _SkipSwitch(layer, skipping_forward(layer, model))
         layer.forward = switch
-        _SWITCHES[id(layer)] = switch
     switch.users += 1
 
 
 def _release(layer: nn.Module) -> None:
-    switch = _SWITCHES[id(layer)]
+    switch = _switch_of(layer)
     switch.users -= 1
     if switch.users == 0:
-        del _SWITCHES[id(layer)]
         switch.restore()
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .policies import BlockResult
+
 
 @dataclass
 class ViaSDStats:
@@ -49,6 +51,41 @@ class ViaSDStats:
     drafted_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=lambda: {"drafter": 0.0, "slim": 0.0, "full": 0.0, "total": 0.0})
+
+    def record_prefill(self, seconds: float) -> None:
+        self.full_forwards += 1
+        self.prefill_forwards += 1
+        self.seconds["full"] += seconds
+
+    def record_block(self, block: BlockResult, drafted: int, catch_up: bool) -> None:
+        """Everything a block did, from its ``BlockResult`` (``drafted``: the tokens the drafter proposed)."""
+        self.blocks += 1
+        self.drafted_tokens += drafted
+        self.catch_up_blocks += int(catch_up)
+        for position in range(block.judged):
+            self.record_position(position, position < block.kept)
+        self.accepted_tokens += block.kept
+        if block.decided_by == "slim":
+            self.slim_accepted_tokens += block.kept
+            self.slim_tokens += 1
+            self.slim_committed_tokens += block.kept + 1
+        else:
+            self.full_tokens += 1
+        self.regenerated_tokens += int(block.regenerated)
+        self.escalated_blocks += int(block.escalated)
+        self.escalated_tokens += int(block.escalated)
+        self.slim_forwards += block.passes["slim"]
+        self.full_forwards += block.passes["full"]
+        for tier in ("slim", "full"):
+            self.seconds[tier] += block.seconds[tier]
+
+    def record_draft(self, forwards: int, seconds: float) -> None:
+        self.drafter_forwards += forwards
+        self.seconds["drafter"] += seconds
+
+    def record_commit(self, made_by: str) -> None:
+        self.new_tokens += 1
+        self.committed_by[made_by] += 1
 
     def record_position(self, position: int, accepted: bool) -> None:
         while len(self.drafted_at_position) <= position:

@@ -9,7 +9,9 @@ import torch
 from .config import ViaSDConfig
 
 
-class Tier(Enum):
+class Decision(Enum):
+    """What the slim verifier does with one draft token."""
+
     ACCEPT = "accept"
     REGENERATE = "regenerate"
     ESCALATE = "escalate"
@@ -30,22 +32,22 @@ def allowed_unscaled(logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor
     return logits.float().masked_fill(forbidden(scores), float("-inf")).softmax(-1)
 
 
-def confidence(slim_probs: torch.Tensor, token: int, signal: str) -> float:
-    """How much the slim verifier believes ``token``: ``ratio`` is q′(d) / max q′, ``probability`` is q′(d)."""
-    probability = slim_probs[token].item()
+def confidence(unscaled: torch.Tensor, token: int, signal: str) -> float:
+    """How much a verifier believes ``token``: ``ratio`` is q′(d) / max q′, ``probability`` is q′(d)."""
+    probability = unscaled[token].item()
     if signal == "ratio":
-        return probability / slim_probs.max().item()
+        return probability / unscaled.max().item()
     return probability
 
 
-def decide(slim_probs: torch.Tensor, token: int, config: ViaSDConfig) -> Tier:
+def decide(unscaled: torch.Tensor, token: int, config: ViaSDConfig) -> Decision:
     """Route one draft token; ties go to the more authoritative tier (see ``ViaSDConfig``).
 
-    ``slim_probs`` come from ``allowed_unscaled``: a forbidden token scores 0 and is escalated.
+    ``unscaled`` comes from ``allowed_unscaled``: a forbidden token scores 0 and is escalated.
     """
-    score = confidence(slim_probs, token, config.confidence)
+    score = confidence(unscaled, token, config.confidence)
     if score > config.tau_accept:
-        return Tier.ACCEPT
+        return Decision.ACCEPT
     if score > config.tau_escalate:
-        return Tier.REGENERATE
-    return Tier.ESCALATE
+        return Decision.REGENERATE
+    return Decision.ESCALATE

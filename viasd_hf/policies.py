@@ -1,0 +1,174 @@
+"""Block policies: what the tiers do with one draft, as in the paper's algorithm.
+
+- ``two_tier``: standard speculative decoding; the full model keeps the drafts it accepts and adds
+  its own token. With ``cascade_lenience`` it is the speculative-cascade baseline.
+- ``tiered``: the slim verifier walks the draft and commits on its own authority, unless it is
+  unsure of a draft: then the block escalates to ``two_tier``.
+- ``lossless``: the slim verifier may replace one draft (dropping those after it), then the full
+  model verifies the block; the output is the full model's own.
+
+Each returns a ``BlockResult``; the decode loop (``decoding.py``) commits it and records it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from .accept import CascadeSet, Draft, GreedyTarget, Lenience, SampledTarget, Target, Verdict, accept_prefix
+from .config import ViaSDConfig
+from .sampling import RandomStream
+from .state import DecodingState
+from .tiers import Decision, confidence, decide
+from .verifier import TierLogits, Verifier
+
+
+@dataclass
+class BlockResult:
+    """What one block commits and what it cost, per tier.
+
+    ``made_by`` names who produced each token (``drafter``, ``slim`` or ``full``); row ``i`` of ``rows``
+    is the pass that chose token ``i``. ``judged`` drafts were walked by the tier that decided the
+    block (``decided_by``) and ``kept`` of them accepted.
+    """
+
+    tokens: list[int]
+    made_by: list[str]
+    rows: TierLogits
+    judged: int
+    kept: int
+    decided_by: str
+    escalated: bool = False
+    regenerated: bool = False  # the slim verifier committed (tiered) or proposed (lossless) a token of its own
+    repair_gain: int = 0  # lossless: tokens the slim tier's repair added to the block (−1, 0 or 1)
+    passes: dict[str, int] = field(default_factory=lambda: {"slim": 0, "full": 0})
+    seconds: dict[str, float] = field(default_factory=lambda: {"slim": 0.0, "full": 0.0})
+
+
+@dataclass
+class VerificationRules:
+    """How a pass's scores become the target each tier verifies against: greedy (``rng`` is ``None``) or exact
+    sampling; plain, or a speculative cascade (``config.cascade_lenience``); the slim tier's thresholds."""
+
+    config: ViaSDConfig
+    rng: RandomStream | None
+
+    @property
+    def sampling(self) -> bool:
+        return self.rng is not None
+
+    def full(self, view: TierLogits) -> Target:
+        """The full model's target: its own choice, or within ``1 − α`` of it in a speculative cascade."""
+        lenience = self.config.cascade_lenience
+        if self.rng is None:
+            if lenience is None:
+                return GreedyTarget(view.scores)
+            return GreedyTarget(view.scores, lambda i, token: confidence(view.unscaled[i], token, "ratio") > 1 - lenience)
+        cascade = None if lenience is None else CascadeSet(view.unscaled, 1 - lenience)
+        return SampledTarget(view.probs, self.rng, cascade)
+
+    def slim(self, view: TierLogits) -> Target:
+        """The slim verifier's target: a draft it is confident in (``tau_accept``) is kept; greedy decoding
+        regenerates the rest with its argmax, sampling rejection-samples against the cascade target π."""
+        if self.rng is None:
+            return GreedyTarget(view.scores, lambda i, token: decide(view.unscaled[i], token, self.config) is Decision.ACCEPT)
+        return SampledTarget(view.probs, self.rng, CascadeSet(view.unscaled, self.config.tau_accept))
+
+    def slim_escalates(self, view: TierLogits) -> Lenience | None:
+        """Drafts the slim verifier hands to the full model (confidence at most ``tau_escalate``).
+
+        Never in sampled lossless decoding: there the full model verifies every token the slim tier
+        passes on against the distribution it follows, and a stop that depends on the token would
+        bias that distribution.
+        """
+        if self.sampling and self.config.mode == "lossless":
+            return None
+        return lambda i, token: decide(view.unscaled[i], token, self.config) is Decision.ESCALATE
+
+
+@dataclass
+class Tiers:
+    """The two verifying tiers of one call and the rules they verify by."""
+
+    full: Verifier
+    slim: Verifier | None
+    rules: VerificationRules
+
+
+Policy = Callable[[Tiers, DecodingState, Draft], BlockResult]
+
+
+def two_tier(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
+    """Standard verification: keep the drafts the full model accepts, then add the full model's own token."""
+    view = tiers.full.score(state, draft.tokens)
+    verdict = accept_prefix(draft, tiers.rules.full(view))
+    state.target_cache.keep(state.length + verdict.kept)
+    return _decided(draft, verdict, view, "full")
+
+
+def tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
+    """The paper's block: the slim tier commits on its own authority unless it escalates a draft."""
+    view = tiers.slim.score(state, draft.tokens)
+    verdict = accept_prefix(draft, tiers.rules.slim(view), tiers.rules.slim_escalates(view))
+    if verdict.escalated:
+        return _after_slim_pass(two_tier(tiers, state, draft), view, escalated=True)
+    return _decided(draft, verdict, view, "slim")
+
+
+def lossless(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
+    """The slim tier may replace one draft (dropping those after it); the full model verifies the block.
+
+    Sampling hands the full model, as each slim-checked token's proposal, the cascade target π it
+    now follows, repaired or not.
+    """
+    view = tiers.slim.score(state, draft.tokens)
+    slim_target = tiers.rules.slim(view)
+    verdict = accept_prefix(draft, slim_target, tiers.rules.slim_escalates(view))
+    repaired = not verdict.escalated and verdict.kept < len(draft.tokens)
+    tokens = draft.tokens[: verdict.kept] + [verdict.token] if repaired else list(draft.tokens)
+    proposals = slim_target.followed if tiers.rules.sampling else draft.probs[: len(tokens)]
+    block = two_tier(tiers, state, Draft(tokens, proposals))
+    gain = repair_credit(verdict.kept, draft.tokens[verdict.kept], block.tokens) if repaired else 0
+    if gain > 0:
+        block.made_by[verdict.kept] = "slim"
+    return _after_slim_pass(block, view, regenerated=repaired, repair_gain=gain)
+
+
+def repair_credit(position: int, replaced: int, committed: list[int]) -> int:
+    """Tokens a slim repair at ``position`` added to a verified block, as far as the block shows.
+
+    +1 when the full model kept the repaired token (it had chosen otherwise than the draft there,
+    so the block gained that token); −1 when the full model's own token is the draft the slim tier
+    threw away (it would have kept it, and perhaps more); 0 otherwise.
+    """
+    if len(committed) <= position:
+        return 0
+    if len(committed) > position + 1:
+        return 1
+    return -1 if committed[position] == replaced else 0
+
+
+def _decided(draft: Draft, verdict: Verdict, view: TierLogits, tier: str) -> BlockResult:
+    """The drafts ``verdict`` kept and then ``tier``'s own token, from ``tier``'s one pass (``view``)."""
+    other = "full" if tier == "slim" else "slim"
+    return BlockResult(
+        tokens=draft.tokens[: verdict.kept] + [verdict.token],
+        made_by=["drafter"] * verdict.kept + [tier],
+        rows=view,
+        judged=len(draft.tokens),
+        kept=verdict.kept,
+        decided_by=tier,
+        regenerated=tier == "slim",
+        passes={tier: 1, other: 0},
+        seconds={tier: view.seconds, other: 0.0},
+    )
+
+
+def _after_slim_pass(block: BlockResult, view: TierLogits, **changes: object) -> BlockResult:
+    """``block`` (decided by the full model) with the slim pass that preceded it counted in."""
+    return replace(
+        block,
+        passes=block.passes | {"slim": 1},
+        seconds=block.seconds | {"slim": view.seconds},
+        **changes,
+    )

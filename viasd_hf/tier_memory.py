@@ -1,0 +1,78 @@
+"""What adaptive decoding remembers about a model between ``generate`` calls, kept where the user can see it.
+
+The tier controllers' measurements persist across calls on the same model, mask, drafter and
+thresholds (as HF keeps its assistant's confidence threshold on the assistant), so short
+generations do not pay the warm-up every time. They live on the model, as
+``model.viasd_tier_memory`` (created by the first call that measures), and
+``model.viasd_tier_memory.reset()`` forgets them. A copy or a pickle of the model starts with an
+empty memory: the measurements describe this model object on this machine.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+
+from torch import nn
+
+from .adaptive import FixedChoice, TierController, measures_wall_clock, new_controller
+from .config import ViaSDConfig
+from .masks import RoutingMask
+
+ATTRIBUTE = "viasd_tier_memory"
+_CREATING = threading.Lock()  # two first calls on one model must not each create a memory
+
+
+class TierMemory:
+    """The tier controllers that have been measuring one model, one per (mask, drafter, mode, thresholds)."""
+
+    def __init__(self) -> None:
+        self._controllers: dict[Hashable, TierController] = {}
+        self._lock = threading.Lock()  # concurrent generate calls on one model share it
+
+    def controller(self, key: Hashable, mask: RoutingMask, lossless: bool) -> TierController:
+        """The controller measuring under ``key``; a new one (``adaptive.new_controller``) the first time."""
+        with self._lock:
+            if key not in self._controllers:
+                self._controllers[key] = new_controller(mask, lossless)
+            return self._controllers[key]
+
+    @property
+    def controllers(self) -> dict[Hashable, TierController]:
+        """A snapshot of what is remembered, by key."""
+        with self._lock:
+            return dict(self._controllers)
+
+    def reset(self) -> None:
+        """Forget every measurement: the next call starts from each mask's offline prediction."""
+        with self._lock:
+            self._controllers.clear()
+
+    def __deepcopy__(self, memo: dict) -> TierMemory:
+        return TierMemory()
+
+    def __reduce__(self) -> tuple:
+        return TierMemory, ()
+
+
+def tier_memory(model: nn.Module) -> TierMemory:
+    """``model.viasd_tier_memory``, created on first use."""
+    memory = model.__dict__.get(ATTRIBUTE)
+    if memory is None:
+        with _CREATING:
+            memory = model.__dict__.get(ATTRIBUTE)
+            if memory is None:
+                memory = TierMemory()
+                setattr(model, ATTRIBUTE, memory)
+    return memory
+
+
+def tier_choice(
+    model: nn.Module, mask: RoutingMask, drafter_key: Hashable, config: ViaSDConfig, do_sample: bool
+) -> TierController | FixedChoice:
+    """What decides, block by block, whether the slim tier runs (``ViaSDConfig.tier_switching``)."""
+    lossless = config.mode == "lossless"
+    if not measures_wall_clock(config.tier_switching, lossless, do_sample):
+        return FixedChoice.for_mask(mask, lossless)
+    key = (tuple(mask.kept_layers), drafter_key, config.mode, config.tau_accept, config.tau_escalate)
+    return tier_memory(model).controller(key, mask, lossless)

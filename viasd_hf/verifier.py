@@ -1,0 +1,82 @@
+"""``Verifier``: the target scoring a block in one pass, in full (the full model) or routed (the slim verifier).
+
+Both run over every committed token the full model has not processed yet, then the draft, and
+return what they make of each draft position and one beyond (``TierLogits``). The slim
+verifier's pass is provisional: its cache writes are cropped at once, so the cache invariant
+(``state.TargetCache``) holds after it. The full model's writes stay until the policy has decided
+how many drafts to keep (``TargetCache.keep``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+from transformers import LogitsProcessorList
+
+from .masks import RoutingMask
+from .routing import skipping
+from .state import DecodingState
+from .tiers import allowed_unscaled
+
+
+@dataclass
+class TierLogits:
+    """What one pass says about each draft position and one beyond, and what the pass took.
+
+    ``logits`` are raw (float32, what ``output_logits`` returns), ``scores`` processed as ``generate``
+    processes them (what ``output_scores`` returns and tokens are chosen from), and ``unscaled`` the
+    raw probabilities over the tokens the processors allow, which the tier thresholds compare
+    (``tiers.allowed_unscaled``): a token the processors forbid has confidence 0 there.
+    """
+
+    logits: torch.Tensor
+    scores: torch.Tensor
+    seconds: float = 0.0
+
+    @cached_property
+    def unscaled(self) -> torch.Tensor:
+        return allowed_unscaled(self.logits, self.scores)
+
+    @cached_property
+    def probs(self) -> torch.Tensor:
+        return self.scores.softmax(-1)
+
+
+class Verifier:
+    """The target model under ``mask`` (``None``: in full), scoring blocks on the shared cache."""
+
+    def __init__(self, model: nn.Module, mask: RoutingMask | None, logits_processor: LogitsProcessorList) -> None:
+        self.model = model
+        self.mask = mask
+        self.skipped = mask.skipped_layers if mask is not None else None  # validated when the call began
+        self.logits_processor = logits_processor
+
+    @property
+    def routed(self) -> bool:
+        return self.skipped is not None
+
+    def score(self, state: DecodingState, draft: list[int]) -> TierLogits:
+        """Run over the unprocessed committed tokens and ``draft``; the LM head runs on the draft positions and one beyond."""
+        started = time.perf_counter()
+        cache = state.target_cache
+        feed = torch.cat([state.unprocessed, state.ids.new_tensor([draft])], dim=-1)
+        keep = len(draft) + 1
+        if self.routed:
+            with cache.provisional(), skipping(self.model, self.skipped):
+                logits = cache.run(self.model, feed, cache.length, keep)
+        else:
+            logits = cache.run(self.model, feed, cache.length, keep)
+        scores = self._processed(state.ids, draft, logits)
+        return TierLogits(logits.float(), scores, seconds=time.perf_counter() - started)
+
+    def _processed(self, ids: torch.Tensor, draft: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Each position's scores as ``generate`` would process them after the committed ids and the drafts before it."""
+        rows = []
+        for i in range(len(draft) + 1):
+            prefix = torch.cat([ids, ids.new_tensor([draft[:i]])], dim=-1)
+            rows.append(self.logits_processor(prefix, logits[i : i + 1].float()))
+        return torch.cat(rows, dim=0)
