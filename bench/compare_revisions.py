@@ -1,11 +1,11 @@
-"""Is the decode loop at this checkout slower than at another git revision? Ratios from one run.
+"""Is the decode loop at one git revision slower than at another? Ratios from one run.
 
 Runs the same VIA-SD generations on SmolLM2-135M-Instruct (prompt lookup drafting; two-tier, tiered
 and lossless, greedy and sampled) with the package from each revision, in alternating subprocesses
 so that machine load affects both alike, and prints seconds per token and the ratio new / old.
 Greedy outputs must match between the revisions for lossless and two-tier decoding; that is checked.
 
-    python bench/compare_revisions.py --old 8cef864 --rounds 5
+    python bench/compare_revisions.py --old 8cef864 --new HEAD --rounds 5
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ setups = {
     "tiered": ViaSDConfig(routing_mask=mask, adaptive=False),
     "lossless": ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False),
 }
-results = {}
+import viasd_hf
+results = {"package": viasd_hf.__file__}
 for sampled in (False, True):
     for name, config in setups.items():
         key = name + ("_sampled" if sampled else "")
@@ -64,27 +65,40 @@ def run_once(tree: Path, threads: int) -> dict:
     command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tree)!r}); exec({WORKLOAD!r})", str(threads)]
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
     done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    if not results.pop("package").startswith(str(tree)):
+        raise RuntimeError(f"the run for {tree} imported viasd_hf from elsewhere")
+    return results
+
+
+def checkout(revision: str, where: Path) -> Path:
+    """A detached worktree of ``revision``: its package is imported from there, whatever the working tree holds."""
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), revision], check=True,
+                   capture_output=True)
+    return where
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="git revision to compare against (e.g. a commit before a change)")
+    parser.add_argument("--new", default=None, help="git revision to measure (default: the working tree as it is)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating old/new runs (default 5)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per run (default 2)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        old_tree = Path(scratch, "old")
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old_tree), args.old], check=True,
-                       capture_output=True)
+        trees = {"old": checkout(args.old, Path(scratch, "old"))}
+        trees["new"] = checkout(args.new, Path(scratch, "new")) if args.new else ROOT
         try:
             runs = {"old": [], "new": []}
             for round_ in range(args.rounds):
-                for label, tree in (("old", old_tree), ("new", ROOT)) if round_ % 2 == 0 else (("new", ROOT), ("old", old_tree)):
-                    runs[label].append(run_once(tree, args.threads))
+                order = ("old", "new") if round_ % 2 == 0 else ("new", "old")
+                for label in order:
+                    runs[label].append(run_once(trees[label], args.threads))
                 print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old_tree)], check=True)
+            for tree in trees.values():
+                if tree != ROOT:
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
     print(f"{'setup':<18} {'old ms/token':>13} {'new ms/token':>13} {'new/old':>8}  (medians of {args.rounds} runs each)")
     ratios = []
     for key in runs["old"][0]:

@@ -9,7 +9,7 @@ import torch
 
 from conftest import zoo
 from viasd_hf import RoutingMask, ViaSDConfig, decoding, enable_viasd, verifier
-from viasd_hf.adaptive import BlockCost, DraftLength, RepairLedger, TierController, measures_wall_clock
+from viasd_hf.adaptive import BlockCost, RepairLedger, TierController, measures_wall_clock
 from viasd_hf.architectures import decoder_layers
 from viasd_hf.tier_memory import tier_memory
 
@@ -45,20 +45,6 @@ def test_the_controller_follows_a_change_of_costs():
     later = drive(controller, cost_on=0.15, cost_off=0.10, blocks=128)
     assert sum(later[-64:]) <= controller.max_probe_blocks, "at most one probe of the slim tier"
     assert [s["slim_tier"] for s in controller.switches][-1] == "off"
-
-
-def test_draft_length_grows_with_acceptance_and_shrinks_on_rejection():
-    length = DraftLength(length=5, maximum=9)
-    length.update(drafted=5, accepted=5)
-    assert length.length == 7
-    length.update(drafted=7, accepted=7)
-    length.update(drafted=9, accepted=9)
-    assert length.length == 9
-    length.update(drafted=9, accepted=2)
-    assert length.length == 8
-    for _ in range(20):
-        length.update(drafted=1, accepted=0)
-    assert length.length == 1
 
 
 class LayerClock:

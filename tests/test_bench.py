@@ -125,7 +125,7 @@ def test_bench_cli_runs_every_method_on_spec_bench(tmp_path, capsys):
     """What CI runs: every method, two prompts per Spec-Bench task, on the small model (no timing asserted)."""
     report, pictures = tmp_path / "bench.json", tmp_path / "plots"
     assert main(["bench", "--target", "smollm2-135m-instruct", "--drafter", "smollm2-135m-instruct",
-                 "--mask", str(REPO / "hub_masks" / "smollm2-135m-instruct" / "self"), "--dtype", "float32",
+                 "--mask", str(REPO / "hub_masks" / "smollm2-135m-instruct" / "model-free"), "--dtype", "float32",
                  "--limit", "2", "--max-new-tokens", "12", "--json", str(report), "--plots", str(pictures)]) == 0
     data = json.loads(report.read_text())
     assert list(data["methods"]) == list(METHODS)

@@ -12,10 +12,11 @@ import pytest
 import transformers
 
 from conftest import tiny_causal_lm
-from viasd_hf import cli_args, models
+from viasd_hf import models
 from viasd_hf.bench.methods import Outcome
 from viasd_hf.bench.runner import MethodRuns, run_methods, summarise
 from viasd_hf.bench.tasks import Example
+from viasd_hf.cli import args as cli_args
 from viasd_hf.cli import main
 
 SMALL = "smollm2-135m-instruct"

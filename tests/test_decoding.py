@@ -64,23 +64,26 @@ def viasd(target, ids, config, max_new_tokens=24, **kwargs):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("drafter_kind", ["assistant", "self", "prompt_lookup"])
+@pytest.mark.parametrize("drafter_kind", ["assistant", "self", "prompt_lookup", "hybrid"])
 def test_lossless_greedy_equals_generate_for_every_drafter(pair, masks, seed, drafter_kind):
     target, assistant = pair
     slim, heavy = masks
-    ids = repetitive_prompt(seed) if drafter_kind == "prompt_lookup" else prompt(seed)
+    ids = repetitive_prompt(seed) if drafter_kind in ("prompt_lookup", "hybrid") else prompt(seed)
     expected = target.generate(ids, max_new_tokens=24, **GREEDY)
     config = ViaSDConfig(routing_mask=slim, self_draft_mask=heavy, mode="lossless", tau_accept=0.9, tau_escalate=0.2,
                          adaptive=False)
-    extra = {"assistant_model": assistant} if drafter_kind == "assistant" else {}
-    extra |= {"prompt_lookup_num_tokens": 4} if drafter_kind == "prompt_lookup" else {}
+    extra = {"assistant_model": assistant} if drafter_kind in ("assistant", "hybrid") else {}
+    extra |= {"prompt_lookup_num_tokens": 4} if drafter_kind in ("prompt_lookup", "hybrid") else {}
     if "assistant_model" in extra:
         extra["drafter"] = extra.pop("assistant_model")
     out = viasd(target, ids, config, **extra)
     assert torch.equal(out.sequences, expected)
     stats = out.viasd_stats
     assert_stats_consistent(stats, 24, "lossless")
-    assert_drafted_and_repaired_with_every_tier(stats, model_drafter=drafter_kind != "prompt_lookup")
+    if drafter_kind == "hybrid":
+        assert stats.drafter_forwards < stats.drafted_tokens, "the lookup drafted where the prompt repeats itself"
+    else:
+        assert_drafted_and_repaired_with_every_tier(stats, model_drafter=drafter_kind != "prompt_lookup")
 
 
 def assert_drafted_and_repaired_with_every_tier(stats, model_drafter: bool, accepts: bool = True) -> None:

@@ -17,9 +17,10 @@ from viasd_hf import calibration as calibration_module
 from viasd_hf import dimr
 from viasd_hf.architectures import protected_layers
 from viasd_hf.calibration import Prompt, TeacherForcedReference, Window, build_calibration, greedy_continuation, split_prompts
+from viasd_hf.cli.search import add_search_command, search_command_line
 from viasd_hf.dimr import (
-    add_search_command,
     baseline_table,
+    budget,
     compare_with_baselines,
     early_exit_mask,
     evaluate_mask,
@@ -27,7 +28,6 @@ from viasd_hf.dimr import (
     kl_divergence,
     random_masks,
     search,
-    search_command_line,
     to_json_safe,
     top1_agreement,
     via_cost,
@@ -134,7 +134,7 @@ def test_search_never_evaluates_a_mask_twice(model, reference, monkeypatch):
         evaluated.append(tuple(mask.skipped_layers))
         return real(ref, mask, *args)
 
-    monkeypatch.setattr(dimr, "score_mask", counting)
+    monkeypatch.setattr(budget, "score_mask", counting)  # what search_budget calls
     result = dimr.search_budget(model, reference, 0.25, "kl", iterations=16, bo_every=1, patience=None, progress=False)
     assert len(evaluated) == len(set(evaluated)) == result.evaluated == 16
     assert all(len(skip) == 3 and not {0, 11} & set(skip) for skip in evaluated)
@@ -264,7 +264,7 @@ def test_baselines(model, reference):
 def test_search_command_end_to_end(model, tmp_path, monkeypatch):
     monkeypatch.setenv("VIASD_HOME", str(tmp_path / "home"))
     monkeypatch.setattr("viasd_hf.models.load_pretrained", lambda name, dtype=None: (model, ByteTokenizer()))
-    monkeypatch.setattr("viasd_hf.cli_args.check_model", lambda name, flag: None)  # "tiny" is no zoo name or folder
+    monkeypatch.setattr("viasd_hf.cli.search.check_model", lambda name, flag: None)  # "tiny" is no zoo name or folder
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"write function number {i}" for i in range(8)))
     parser = argparse.ArgumentParser(prog="viasd")

@@ -19,8 +19,9 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from conftest import tiny_causal_lm
 from hub_server import FakeHub, serve
-from viasd_hf import RoutingMask, RoutingMaskError, ViaSDConfig, hub, routed, viasd_generate
+from viasd_hf import RoutingMask, RoutingMaskError, ViaSDConfig, hub_files, mask_repo, routed, viasd_generate
 from viasd_hf.cli import main
+from viasd_hf.cli.hub import add_hub_commands
 from viasd_hf.generation import resolve_mask
 from viasd_hf.mask_cache import clear_mask_cache
 
@@ -39,9 +40,9 @@ def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHu
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_test_hub")
     monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
-    monkeypatch.delenv(hub.MASKS_REPO_ENV, raising=False)
-    monkeypatch.setattr(hub, "shipped_mask_dir", lambda: tmp_path / "shipped")
-    monkeypatch.setattr(hub, "_UNREACHABLE", set())  # what this process learnt about endpoints stays in this test
+    monkeypatch.delenv(mask_repo.MASKS_REPO_ENV, raising=False)
+    monkeypatch.setattr(mask_repo, "shipped_mask_dir", lambda: tmp_path / "shipped")
+    monkeypatch.setattr(hub_files, "_UNREACHABLE", set())  # what this process learnt about endpoints stays in this test
     clear_mask_cache()
     with serve() as server:
         yield server
@@ -76,10 +77,14 @@ def mask_requests(fake_hub: FakeHub) -> list[tuple[str, str]]:
 
 
 def test_slugs_keep_zoo_names_and_flatten_hub_ids():
-    assert hub.mask_path_in_repo("qwen2.5-coder-1.5b-instruct", "self") == (
-        "qwen2.5-coder-1.5b-instruct/self/routing_mask.json"
+    assert mask_repo.mask_path_in_repo("qwen2.5-coder-1.5b-instruct", "self") == (
+        "qwen2.5-coder-1.5b-instruct/model-free/routing_mask.json"
     )
-    assert hub.mask_path_in_repo("Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct") == (
+    for self_drafter in ("self-drafter", "self-draft"):  # as generate asks for it, and the folder's own name
+        assert mask_repo.mask_path_in_repo("qwen2.5-coder-1.5b-instruct", self_drafter) == (
+            "qwen2.5-coder-1.5b-instruct/self-draft/routing_mask.json"
+        )
+    assert mask_repo.mask_path_in_repo("Qwen/Qwen2.5-Coder-1.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct") == (
         "qwen--qwen2.5-coder-1.5b-instruct/qwen--qwen2.5-coder-0.5b-instruct/routing_mask.json"
     )
 
@@ -99,11 +104,16 @@ def test_push_then_pull_by_repo_id_and_by_pair(fake_hub, llama, monkeypatch):
     commit = mask.push_to_hub(REPO, endpoint=fake_hub.url, model=llama)
     assert commit.startswith(f"{fake_hub.url}/{REPO}/commit/") and commit.oid in commit
 
-    by_repo = RoutingMask.from_pretrained(REPO, subfolder="tiny-random-llama/self", endpoint=fake_hub.url)
+    by_repo = RoutingMask.from_pretrained(REPO, subfolder="tiny-random-llama/model-free", endpoint=fake_hub.url)
     by_pair = RoutingMask.from_pretrained(LLAMA, repo_id=REPO, endpoint=fake_hub.url)
-    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
+    monkeypatch.setenv(mask_repo.MASKS_REPO_ENV, REPO)
     by_default_repo = RoutingMask.from_pretrained(LLAMA, endpoint=fake_hub.url)
     assert by_repo == by_pair == by_default_repo == mask
+    elsewhere = llama_mask(llama, skip=[1])
+    elsewhere.push_to_hub(REPO, subfolder="experiments/llama-1", endpoint=fake_hub.url)
+    assert RoutingMask.from_pretrained(REPO, subfolder="experiments/llama-1", endpoint=fake_hub.url) == elsewhere
+    with pytest.raises(ValueError, match="either subfolder= or target_slug="):
+        elsewhere.push_to_hub(REPO, subfolder="experiments/llama-1", drafter_slug="x", endpoint=fake_hub.url)
     with routed(llama, by_pair):
         pass
 
@@ -132,7 +142,7 @@ def test_unknown_repo_or_path_names_where_it_looked(fake_hub):
 
 def test_the_default_lookup_falls_back_to_the_shipped_masks_then_fails_clearly(fake_hub, llama, tmp_path, monkeypatch):
     llama_mask(llama).push_to_hub(REPO, endpoint=fake_hub.url)
-    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
+    monkeypatch.setenv(mask_repo.MASKS_REPO_ENV, REPO)
     qwen = tiny_causal_lm("qwen2")
     pair = ("tiny-random-qwen2", "self")
     with pytest.raises(RoutingMaskError, match="(?s)no routing mask for target 'tiny-random-qwen2'.*no such file"
@@ -140,25 +150,25 @@ def test_the_default_lookup_falls_back_to_the_shipped_masks_then_fails_clearly(f
         RoutingMask.from_pretrained(pair, endpoint=fake_hub.url)
 
     shipped = RoutingMask.from_model(qwen, skip=[2])
-    shipped.save_pretrained(tmp_path / "shipped" / hub.pair_folder(*pair))
+    shipped.save_pretrained(tmp_path / "shipped" / mask_repo.pair_folder(*pair))
     assert RoutingMask.from_pretrained(pair, endpoint=fake_hub.url) == shipped
-    monkeypatch.setenv(hub.MASKS_REPO_ENV, "viasd-test/nope")
+    monkeypatch.setenv(mask_repo.MASKS_REPO_ENV, "viasd-test/nope")
     assert RoutingMask.from_pretrained(pair, endpoint=fake_hub.url) == shipped
 
 
 def test_an_explicit_repo_or_revision_never_falls_back_to_the_shipped_masks(fake_hub, llama, tmp_path, monkeypatch):
     llama_mask(llama, skip=[3]).push_to_hub(REPO, endpoint=fake_hub.url)
-    llama_mask(llama, skip=[2]).save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "self")
+    llama_mask(llama, skip=[2]).save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "model-free")
     shipped_qwen = RoutingMask.from_model(tiny_causal_lm("qwen2"), skip=[2])
-    shipped_qwen.save_pretrained(tmp_path / "shipped" / "tiny-random-qwen2" / "self")
-    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
+    shipped_qwen.save_pretrained(tmp_path / "shipped" / "tiny-random-qwen2" / "model-free")
+    monkeypatch.setenv(mask_repo.MASKS_REPO_ENV, REPO)
     only_explicit = "shipped with viasd_hf are only used when neither repo_id nor revision is given"
 
     with pytest.raises(RoutingMaskError, match=f"(?s)'tiny-random-llama'.*viasd-test/nope.*repository not found.*{only_explicit}"):
         RoutingMask.from_pretrained(LLAMA, repo_id="viasd-test/nope", endpoint=fake_hub.url)
     with pytest.raises(RoutingMaskError, match=f"(?s)revision 'nope' not found.*{only_explicit}"):
         RoutingMask.from_pretrained(LLAMA, revision="nope", endpoint=fake_hub.url)
-    with pytest.raises(RoutingMaskError, match=f"(?s)tiny-random-qwen2/self/routing_mask.json: no such file.*{only_explicit}"):
+    with pytest.raises(RoutingMaskError, match=f"(?s)tiny-random-qwen2/model-free/routing_mask.json: no such file.*{only_explicit}"):
         RoutingMask.from_pretrained(("tiny-random-qwen2", "self"), repo_id=REPO, endpoint=fake_hub.url)
     assert RoutingMask.from_pretrained(LLAMA, revision="main", endpoint=fake_hub.url).skipped_layers == [3]
 
@@ -187,8 +197,8 @@ def test_offline_the_cached_copy_answers(fake_hub, llama, monkeypatch):
 
 def test_shipped_masks_are_read_without_touching_the_network(fake_hub, llama, tmp_path, monkeypatch):
     mask = llama_mask(llama)
-    mask.save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "self")
-    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
+    mask.save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "model-free")
+    monkeypatch.setenv(mask_repo.MASKS_REPO_ENV, REPO)
     assert RoutingMask.from_pretrained(LLAMA, endpoint=fake_hub.url, local_files_only=True) == mask
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert RoutingMask.from_pretrained(LLAMA) == mask  # the default endpoint: would fail if it were asked
@@ -197,21 +207,21 @@ def test_shipped_masks_are_read_without_touching_the_network(fake_hub, llama, tm
 
 def test_model_card_lists_every_pair_and_the_cli_round_trips(fake_hub, llama, tmp_path):
     parser = argparse.ArgumentParser()
-    hub.add_hub_commands(parser.add_subparsers())
+    add_hub_commands(parser.add_subparsers())
     llama_mask(llama, metadata={"heldout": {"top1_agreement": 0.8125}, "search_command": "viasd search x"}).push_to_hub(
         REPO, endpoint=fake_hub.url
     )
     folder = tmp_path / "qwen-mask"
     RoutingMask.from_model(tiny_causal_lm("qwen2"), skip=[3], drafter_id="Org/Tiny-Drafter").save_pretrained(folder)
-    (folder / hub.SEARCH_LOG_FILENAME).write_text(json.dumps({"iteration": 0}) + "\n")
+    (folder / mask_repo.SEARCH_LOG_FILENAME).write_text(json.dumps({"iteration": 0}) + "\n")
 
     args = parser.parse_args(["push", str(folder), "--repo-id", REPO, "--endpoint", fake_hub.url])
     assert args.handler(args) == 0
     files = HfApi(endpoint=fake_hub.url).list_repo_files(REPO)
-    assert {"tiny-random-qwen2/org--tiny-drafter/search_log.jsonl", "tiny-random-llama/self/routing_mask.json"} <= set(files)
+    assert {"tiny-random-qwen2/org--tiny-drafter/search_log.jsonl", "tiny-random-llama/model-free/routing_mask.json"} <= set(files)
     card = Path(hf_hub_download(REPO, "README.md", endpoint=fake_hub.url)).read_text()
     assert card.startswith("---\nlibrary_name: viasd_hf\ntags:\n")
-    assert "[tiny-random-llama](tiny-random-llama/self/routing_mask.json) | self | 4 / 6 | 33.3% | R = 0.125" in card
+    assert "[tiny-random-llama](tiny-random-llama/model-free/routing_mask.json) | self | 4 / 6 | 33.3% | R = 0.125" in card
     assert "top1_agreement: 0.8125 | `viasd search x` |" in card
     assert "[tiny-random-qwen2](tiny-random-qwen2/org--tiny-drafter/routing_mask.json) | Org/Tiny-Drafter" in card
 
@@ -247,6 +257,60 @@ def test_a_pulled_mask_for_another_model_refuses_to_apply(fake_hub, llama):
         pulled.validate_for(tiny_causal_lm("llama", num_hidden_layers=8))
 
 
+def test_masks_under_the_legacy_folder_names_are_still_found(fake_hub, llama, monkeypatch):
+    api = HfApi(endpoint=fake_hub.url)
+    api.create_repo(REPO)
+    legacy_slim, legacy_draft = llama_mask(llama, skip=[2]), llama_mask(llama, skip=[1, 2, 3])
+    api.upload_file(path_or_fileobj=legacy_slim.to_json().encode(), path_in_repo="tiny-random-llama/self/routing_mask.json",
+                    repo_id=REPO)
+    api.upload_file(path_or_fileobj=legacy_draft.to_json().encode(),
+                    path_in_repo="tiny-random-llama/self-drafter/routing_mask.json", repo_id=REPO)
+    monkeypatch.setenv(mask_repo.MASKS_REPO_ENV, REPO)
+    assert RoutingMask.from_pretrained(LLAMA, endpoint=fake_hub.url) == legacy_slim
+    assert RoutingMask.from_pretrained(("tiny-random-llama", "self-draft"), endpoint=fake_hub.url) == legacy_draft
+
+    current = llama_mask(llama, skip=[3])
+    current.push_to_hub(REPO, endpoint=fake_hub.url)  # the new name wins once it exists
+    assert RoutingMask.from_pretrained(LLAMA, repo_id=REPO, endpoint=fake_hub.url) == current
+    with pytest.raises(RoutingMaskError, match="(?s)tiny-random-qwen2/model-free/routing_mask.json: no such file"
+                                               ".*legacy folder self/ of model-free/.*tiny-random-qwen2/self/routing_mask.json"):
+        RoutingMask.from_pretrained(("tiny-random-qwen2", "self"), repo_id=REPO, endpoint=fake_hub.url)
+
+
+def test_a_viasd_config_round_trips_through_the_hub(fake_hub, llama, monkeypatch):
+    config = ViaSDConfig.paper(routing_mask=llama_mask(llama), mode="lossless", num_draft_tokens=4)
+    commit = config.push_to_hub("viasd-test/config", endpoint=fake_hub.url)
+    assert commit.oid in commit
+    assert "viasd_config.json" in HfApi(endpoint=fake_hub.url).list_repo_files("viasd-test/config")
+    loaded = ViaSDConfig.from_pretrained("viasd-test/config", endpoint=fake_hub.url)
+    assert loaded == config and isinstance(loaded.routing_mask, RoutingMask)
+
+    tiered = ViaSDConfig(tau_accept=0.9, routing_mask="viasd-test/some-mask")
+    tiered.push_to_hub("viasd-test/config", subfolder="tiered", endpoint=fake_hub.url, revision="dev")
+    assert ViaSDConfig.from_pretrained("viasd-test/config", subfolder="tiered", revision="dev", endpoint=fake_hub.url) == tiered
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    calls = len(fake_hub.requests)
+    assert ViaSDConfig.from_pretrained("viasd-test/config", endpoint=fake_hub.url) == config  # the user cache answers
+    assert len(fake_hub.requests) == calls
+
+
+def test_a_missing_or_invalid_viasd_config_is_named(fake_hub, tmp_path):
+    with pytest.raises(FileNotFoundError, match="(?s)no ViaSD config at 'viasd-test/nope'.*repository not found"):
+        ViaSDConfig.from_pretrained("viasd-test/nope", endpoint=fake_hub.url)
+    ViaSDConfig().push_to_hub("viasd-test/config", endpoint=fake_hub.url)
+    with pytest.raises(FileNotFoundError, match="viasd_config.json: no such file"):
+        ViaSDConfig.from_pretrained("viasd-test/config", subfolder="elsewhere", endpoint=fake_hub.url)
+    (tmp_path / "viasd_config.json").write_text('{"num_draft_tokens": 4, "speed": "max"}')
+    with pytest.raises(ValueError, match=r"unknown ViaSDConfig fields \['speed'\]"):
+        ViaSDConfig.from_pretrained(tmp_path)
+    config = ViaSDConfig()
+    config.tau_escalate = 0.9  # now above tau_accept: refused before anything is uploaded
+    pushes = len(fake_hub.requests)
+    with pytest.raises(ValueError, match="tau_accept"):
+        config.push_to_hub("viasd-test/other", endpoint=fake_hub.url)
+    assert len(fake_hub.requests) == pushes
+
+
 # --------------------------------------------------------------------------- the default lookup, once
 
 
@@ -254,7 +318,7 @@ def test_generate_looks_the_default_mask_up_once(fake_hub, monkeypatch):
     model = tiny_causal_lm("llama")
     mask = llama_mask(model)
     mask.push_to_hub(REPO, endpoint=fake_hub.url)
-    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
+    monkeypatch.setenv(mask_repo.MASKS_REPO_ENV, REPO)
     use_as_default_endpoint(monkeypatch, fake_hub.url)  # generate uses the default endpoint
     ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
     config = ViaSDConfig(tau_accept=0.0, tau_escalate=0.0, adaptive=False)
@@ -284,7 +348,7 @@ def test_threads_starting_together_look_a_mask_up_once(monkeypatch):
         time.sleep(0.05)
         return mask
 
-    monkeypatch.setattr(hub, "pull_mask", slow_pull)
+    monkeypatch.setattr(RoutingMask, "from_pretrained", classmethod(lambda cls, source, **options: slow_pull(source)))
     clear_mask_cache()
     results = []
     threads = [threading.Thread(target=lambda: results.append(resolve_mask(None, model, "self"))) for _ in range(8)]
@@ -331,7 +395,7 @@ def unreachable_hub(monkeypatch) -> list[str]:
 def test_an_unreachable_hub_is_asked_once_and_the_shipped_mask_answers(fake_hub, unreachable_hub, tmp_path):
     model = tiny_causal_lm("llama")
     shipped = llama_mask(model, skip=[1])
-    shipped.save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "self")
+    shipped.save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "model-free")
     code, err = run_cli(["pull", "--target", "tiny-random-llama", "--repo-id", REPO, "--out", str(tmp_path / "out")])
     assert code == 1 and "not in the local cache, and the Hub was not reachable" in err  # explicit: no fallback, no wait
     for _ in range(3):
@@ -345,9 +409,9 @@ def test_an_unreachable_hub_lets_the_user_cache_answer(fake_hub, unreachable_hub
     model = tiny_causal_lm("llama")
     cached = llama_mask(model, skip=[4])
     cached.push_to_hub(REPO, endpoint=fake_hub.url)
-    monkeypatch.setenv(hub.MASKS_REPO_ENV, REPO)
+    monkeypatch.setenv(mask_repo.MASKS_REPO_ENV, REPO)
     assert RoutingMask.from_pretrained(LLAMA, endpoint=fake_hub.url) == cached  # now in the user cache
-    llama_mask(model, skip=[1]).save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "self")
+    llama_mask(model, skip=[1]).save_pretrained(tmp_path / "shipped" / "tiny-random-llama" / "model-free")
     assert resolve_mask(None, model, "self") == cached
     assert resolve_mask(None, tiny_causal_lm("llama"), "self") == cached
     assert len(unreachable_hub) == 1
@@ -369,17 +433,17 @@ def test_a_malformed_mask_in_the_repo_does_not_block_later_pushes(fake_hub, llam
         "objective-text": json.dumps(good | {"objective_value": "high"}).encode(),
     }
     for name, data in broken.items():
-        api.upload_file(path_or_fileobj=data, path_in_repo=f"{name}/self/routing_mask.json", repo_id=REPO)
+        api.upload_file(path_or_fileobj=data, path_in_repo=f"{name}/model-free/routing_mask.json", repo_id=REPO)
 
     qwen = RoutingMask.from_model(tiny_causal_lm("qwen2"), skip=[3])
-    with caplog.at_level(logging.WARNING, logger="viasd_hf.hub"):
+    with caplog.at_level(logging.WARNING, logger="viasd_hf.masks"):
         qwen.push_to_hub(REPO, endpoint=fake_hub.url)
     card = Path(hf_hub_download(REPO, "README.md", endpoint=fake_hub.url)).read_text()
-    assert "[tiny-random-llama](tiny-random-llama/self/routing_mask.json)" in card
-    assert "[tiny-random-qwen2](tiny-random-qwen2/self/routing_mask.json)" in card
+    assert "[tiny-random-llama](tiny-random-llama/model-free/routing_mask.json)" in card
+    assert "[tiny-random-qwen2](tiny-random-qwen2/model-free/routing_mask.json)" in card
     for name in broken:
-        assert f"{name}/self" not in card
-        assert any(f"leaving {name}/self/routing_mask.json out of the model card" in m for m in caplog.messages)
+        assert f"{name}/model-free" not in card
+        assert any(f"leaving {name}/model-free/routing_mask.json out of the model card" in m for m in caplog.messages)
     assert RoutingMask.from_pretrained(("tiny-random-qwen2", "self"), repo_id=REPO, endpoint=fake_hub.url) == qwen
 
 

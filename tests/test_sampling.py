@@ -23,7 +23,7 @@ from conftest import assert_stats_consistent, tiny_causal_lm, work_done
 from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
 from viasd_hf.accept import Draft
 from viasd_hf.decoding import ViaSDDecoder
-from viasd_hf.drafters import AssistantDrafter, PromptLookupDrafter
+from viasd_hf.drafters import AssistantDrafter, HybridDrafter, PromptLookupDrafter
 from viasd_hf.generation import initial_state
 from viasd_hf.sampling import RandomStream, cascade_target, rejection_step
 
@@ -93,10 +93,14 @@ def exact_two_token_distribution(model, prompt=PROMPT) -> dict:
     return joint
 
 
-def run(target, drafter, config, max_new_tokens, seed, prompt_lookup=False, prompt=PROMPT, stats=None) -> list[int]:
+def run(target, drafter, config, max_new_tokens, seed, prompt_lookup=False, prompt=PROMPT, stats=None,
+        hybrid=False) -> list[int]:
     """Sample ``max_new_tokens`` after ``prompt``; the call's ``ViaSDStats`` are appended to ``stats``."""
     torch.manual_seed(seed)
-    chosen = PromptLookupDrafter(3) if prompt_lookup else AssistantDrafter(drafter, processors(), None, do_sample=True)
+    assistant = AssistantDrafter(drafter, processors(), None, do_sample=True)
+    chosen = PromptLookupDrafter(3) if prompt_lookup else assistant
+    if hybrid:
+        chosen = HybridDrafter(PromptLookupDrafter(3), assistant)
     decoder = ViaSDDecoder(target, chosen, config, config.routing_mask if config.use_slim else None, processors(),
                            StoppingCriteriaList(), max_length=prompt.shape[1] + max_new_tokens, do_sample=True,
                            check_invariants=True)
@@ -110,9 +114,10 @@ def run(target, drafter, config, max_new_tokens, seed, prompt_lookup=False, prom
 N = 2500
 
 
-def two_token_tv(models, config, prompt_lookup=False, prompt=PROMPT, stats=None) -> float:
+def two_token_tv(models, config, prompt_lookup=False, prompt=PROMPT, stats=None, hybrid=False) -> float:
     target, drafter, _ = models
-    counts = Counter(tuple(run(target, drafter, config, 2, seed, prompt_lookup, prompt, stats)) for seed in range(N))
+    counts = Counter(tuple(run(target, drafter, config, 2, seed, prompt_lookup, prompt, stats, hybrid))
+                     for seed in range(N))
     return total_variation(counts, exact_two_token_distribution(target, prompt), N)
 
 
@@ -178,6 +183,17 @@ def test_lossless_sampling_with_prompt_lookup_matches_the_target(models):
     rate = first_draft_acceptance(stats, "lossless")
     assert abs(rate - acceptance(handed_on, next_probs(target, LOOKUP_PROMPT))) < ACCEPTANCE_TOLERANCE
     assert rate > 0 and sum(one.slim_forwards for one in stats) == N
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, LOOKUP_PROMPT], ids=["assistant drafts", "lookup drafts"])
+def test_hybrid_drafting_samples_the_target_distribution(models, prompt):
+    """Where the context repeats itself the hybrid drafter copies (no drafter pass), elsewhere the assistant drafts;
+    lossless sampling is exact either way."""
+    config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
+    stats = []
+    assert two_token_tv(models, config, prompt=prompt, stats=stats, hybrid=True) < 0.07
+    used_the_assistant = sum(one.drafter_forwards for one in stats) > 0
+    assert used_the_assistant == (prompt is PROMPT)
 
 
 def test_the_tv_bound_catches_a_wrong_residual(models, monkeypatch):

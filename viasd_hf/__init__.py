@@ -1,13 +1,12 @@
 """viasd_hf: VIA-SD speculative decoding (drafter → slim verifier → full target) for Hugging Face models."""
 
-__version__ = "0.1.0"
-
-from .architectures import UnsupportedArchitectureError  # noqa: E402
-from .masks import RoutingMask, RoutingMaskError  # noqa: E402
-from .routing import routed  # noqa: E402
-from .config import ViaSDConfig  # noqa: E402
-from .generation import ViaSDGenerationMixin, disable_viasd, enable_viasd, viasd_generate  # noqa: E402
-from .stats import ViaSDStats  # noqa: E402
+from .architectures import UnsupportedArchitectureError
+from .config import ViaSDConfig
+from .generation import ViaSDGenerationMixin, disable_viasd, enable_viasd, viasd_generate
+from .masks import RoutingMask, RoutingMaskError
+from .routing import routed
+from .stats import ViaSDStats
+from .version import __version__
 
 __all__ = [
     "RoutingMask",

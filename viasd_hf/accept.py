@@ -36,6 +36,11 @@ class Draft:
     probs: list[torch.Tensor | None]
     forwards: int = 0
 
+    @property
+    def confidences(self) -> list[float]:
+        """The drafter's probability of each token it drafted (1 for a deterministic draft)."""
+        return [1.0 if probs is None else probs[token].item() for token, probs in zip(self.tokens, self.probs)]
+
 
 @dataclass
 class Verdict:

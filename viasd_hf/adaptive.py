@@ -1,4 +1,4 @@
-"""Online control of the tiers: run the slim tier only while it pays, and size drafts to acceptance.
+"""Online control of the tiers: run the slim tier only while it pays (draft lengths: ``draft_planner.py``).
 
 Whether the slim tier pays depends on the machine, the mask and the text, so instead of
 predicting, the controller measures and uses the cheaper regime — slim tier on or off — and now
@@ -305,20 +305,6 @@ class TierController:
             "slim_tier": "on" if self.slim_on else "off",
             "reason": self.estimate.describe(),
         })
-
-
-@dataclass
-class DraftLength:
-    """HF's "heuristic" schedule: grow by 2 after a fully accepted draft, shrink by 1 otherwise."""
-
-    length: int
-    maximum: int
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted and accepted == drafted:
-            self.length = min(self.maximum, self.length + 2)
-        elif drafted:
-            self.length = max(1, self.length - 1)
 
 
 def predicted_to_pay(mask: RoutingMask) -> bool:

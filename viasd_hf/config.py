@@ -1,14 +1,18 @@
-"""``ViaSDConfig``: everything that shapes a VIA-SD decode, saved and loaded like other HF configs."""
+"""``ViaSDConfig``: everything that shapes a VIA-SD decode, saved, shared and loaded like other HF configs.
+
+``save_pretrained`` / ``from_pretrained`` / ``push_to_hub`` come from ``HubMixin``: a folder or a Hub
+repo with ``viasd_config.json`` at its root (or in ``subfolder``).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from .checks import is_int, is_real
+from .hub_mixin import HubMixin
 from .masks import RoutingMask
 
 CONFIG_FILENAME = "viasd_config.json"
@@ -22,7 +26,7 @@ def _wrong_type(name: str, expected: str, value: Any) -> TypeError:
 
 
 @dataclass
-class ViaSDConfig:
+class ViaSDConfig(HubMixin):
     """How the three tiers (drafter → slim verifier → full target) work together.
 
     Thresholds compare the slim verifier's confidence ``r`` in a draft token: accept when
@@ -44,6 +48,10 @@ class ViaSDConfig:
     output (lossless greedy), ``"fixed"`` elsewhere. The draft length adapts in every setting (it
     follows acceptance counts, not time).
     """
+
+    hub_filename = CONFIG_FILENAME
+    hub_kind = "ViaSD config"
+    hub_advice = "To get one: build a ViaSDConfig and save it with save_pretrained(DIR) or push_to_hub(REPO_ID)."
 
     num_draft_tokens: int = 5
     draft_confidence_threshold: float | None = 0.4  # as HF assisted generation: stop drafting when unsure
@@ -145,19 +153,15 @@ class ViaSDConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def save_pretrained(self, save_directory: str | Path) -> Path:
-        directory = Path(save_directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / CONFIG_FILENAME
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-        return path
+    def to_json(self) -> str:
+        """The ``viasd_config.json`` text: a ``RoutingMask`` is embedded, a path or Hub repo id kept as it is."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> ViaSDConfig:
-        path = Path(path)
-        file = path / CONFIG_FILENAME if path.is_dir() else path
-        data = json.loads(file.read_text())
+    def from_dict(cls, data: Any) -> ViaSDConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"a ViaSD config must be a JSON object of fields, got {type(data).__name__}")
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(f"unknown ViaSDConfig fields {unknown} in {file}")
+            raise ValueError(f"unknown ViaSDConfig fields {unknown}; is the config from a newer viasd_hf?")
         return cls(**data)

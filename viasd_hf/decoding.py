@@ -23,8 +23,9 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from .accept import Draft
-from .adaptive import BlockCost, DraftLength
+from .adaptive import BlockCost, measures_wall_clock
 from .config import ViaSDConfig
+from .draft_planner import DraftPlanner, MeasuredCosts, static_costs
 from .drafters import Drafter
 from .masks import RoutingMask
 from .policies import BlockResult, Policy, Tiers, VerificationRules, lossless, tiered, two_tier
@@ -72,9 +73,16 @@ class ViaSDDecoder:
             drafter_key = (drafter.name, id(getattr(drafter, "model", None)))
             self.controller = tier_choice(model, slim_mask, drafter_key, config, do_sample)
         self._first_switch = len(self.controller.switches) if self.controller is not None else 0
-        longest = min(3 * config.num_draft_tokens, config.max_slim_backlog - 1)
-        self.draft_length = DraftLength(config.num_draft_tokens, longest if config.adaptive else config.num_draft_tokens)
+        self.planner = self._draft_planner(model, drafter, config, do_sample) if config.adaptive else None
         self.finished = False
+
+    @staticmethod
+    def _draft_planner(model: nn.Module, drafter: Drafter, config: ViaSDConfig, do_sample: bool) -> DraftPlanner:
+        """Draft lengths planned from measured costs where timings may steer the output, else from weight sizes."""
+        costs = static_costs(model, drafter)
+        if measures_wall_clock(config.tier_switching, config.mode == "lossless", do_sample):
+            costs = MeasuredCosts(costs)
+        return DraftPlanner(costs, longest=min(3 * config.num_draft_tokens, config.max_slim_backlog - 1))
 
     def run(self, state: DecodingState) -> DecodingState:
         """Decode from ``state`` (the prompt, an empty cache) until a stopping criterion or the length limit."""
@@ -111,8 +119,10 @@ class ViaSDDecoder:
         self.commit(state, block)
         self.stats.record_block(block, drafted=len(draft.tokens), catch_up=must_catch_up)
         self.stats.peak_slim_backlog = max(self.stats.peak_slim_backlog, state.length - state.target_cache.length - 1)
-        if self.config.adaptive:
-            self.draft_length.update(len(draft.tokens), block.kept)
+        if self.planner is not None:
+            self.planner.observe(draft, block.judged, block.kept)
+            if isinstance(self.planner.costs, MeasuredCosts) and block.passes["full"]:
+                self.planner.costs.observe_verifying(block.seconds["full"], block.rows.fed)
         if self.controller is not None:
             charged_to_slim = wants_slim or slim_backlog > 0
             self.controller.observe(block_cost(block, charged_to_slim, time.perf_counter() - started))
@@ -127,8 +137,14 @@ class ViaSDDecoder:
         if room <= 1:
             return Draft([], [])
         started = time.perf_counter()
-        draft = self.drafter.draft(state.ids, min(self.draft_length.length, room - 1), self.rng)
-        self.stats.record_draft(draft.forwards, time.perf_counter() - started)
+        if self.planner is None:
+            draft = self.drafter.draft(state.ids, min(self.config.num_draft_tokens, room - 1), self.rng)
+        else:
+            draft = self.drafter.draft(state.ids, min(self.planner.longest, room - 1), self.rng, self.planner.keep_drafting)
+        seconds = time.perf_counter() - started
+        self.stats.record_draft(draft.forwards, seconds)
+        if self.planner is not None and isinstance(self.planner.costs, MeasuredCosts):
+            self.planner.costs.observe_drafting(seconds, draft.forwards)
         return draft
 
     def commit(self, state: DecodingState, block: BlockResult) -> None:

@@ -7,10 +7,13 @@ A drafter sees only the committed token ids; what it keeps between blocks is its
 - ``SelfDrafter``: the target routed with a heavier mask. It drafts on the target's own cache
   (``TargetCache.provisional``), so it costs no memory or extra weights and leaves nothing behind.
 - ``PromptLookupDrafter``: copies the continuation of the last n-gram's earlier occurrence.
+- ``HybridDrafter``: prompt lookup where the context repeats itself (its drafts are free), a model
+  drafter elsewhere.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Protocol
 
@@ -27,11 +30,20 @@ from .state import ModelInputs, TargetCache
 from .tiers import forbidden
 
 
+KeepDrafting = Callable[[list[float]], bool]  # the confidences of the tokens drafted so far -> draft another?
+
+
 class Drafter(Protocol):
     name: str
 
-    def draft(self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None) -> Draft:
-        """Up to ``max_tokens`` tokens after ``ids``; a sampling drafter draws them from ``rng`` (``None`` when greedy)."""
+    def draft(
+        self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None, keep_drafting: KeepDrafting | None = None
+    ) -> Draft:
+        """Up to ``max_tokens`` tokens after ``ids``; a sampling drafter draws them from ``rng`` (``None`` when greedy).
+
+        A model drafter asks ``keep_drafting`` before each token (``draft_planner.DraftPlanner``);
+        without it, it stops after a token below its confidence threshold, as HF assisted generation.
+        """
 
     def commit(self, ids: torch.Tensor) -> None:
         """``ids`` are now committed: forget whatever the drafter processed that is not on them."""
@@ -63,20 +75,25 @@ class _ModelDrafter:
         raise NotImplementedError
 
     @torch.no_grad()
-    def draft(self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None) -> Draft:
+    def draft(
+        self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None, keep_drafting: KeepDrafting | None = None
+    ) -> Draft:
         sequence, feed = ids, self._pending(ids)
         draft = Draft(tokens=[], probs=[])
+        confidences: list[float] = []
+        stop_when_unsure = keep_drafting is None and self.confidence_threshold is not None
         with self._drafting():
-            while len(draft.tokens) < max_tokens:
+            while len(draft.tokens) < max_tokens and (keep_drafting is None or keep_drafting(confidences)):
                 scores = self.logits_processor(sequence, self._forward(feed)[-1:].float())
                 draft.forwards += 1
                 probs = scores.softmax(-1)[0]
                 token = sample(probs, rng) if self.do_sample else int(scores.argmax(-1))
                 draft.tokens.append(token)
                 draft.probs.append(probs)
+                confidences.append(probs[token].item())
                 feed = torch.tensor([[token]], device=sequence.device)
                 sequence = torch.cat([sequence, feed], dim=-1)
-                if self.confidence_threshold is not None and probs[token].item() < self.confidence_threshold:
+                if stop_when_unsure and confidences[-1] < self.confidence_threshold:
                     break
         return draft
 
@@ -185,7 +202,10 @@ class PromptLookupDrafter:
         self.vocab_size = vocab_size
         self.max_ngram_size = max_ngram_size
 
-    def draft(self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None) -> Draft:
+    def draft(
+        self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None, keep_drafting: KeepDrafting | None = None
+    ) -> Draft:
+        """Copying costs nothing, so the whole continuation is proposed whatever ``keep_drafting`` would say."""
         tokens = ids[0].tolist()
         for size in range(min(self.max_ngram_size, len(tokens) - 1), 0, -1):
             tail = tokens[-size:]
@@ -210,3 +230,29 @@ class PromptLookupDrafter:
 
     def commit(self, ids: torch.Tensor) -> None:
         """Stateless: the lookup reads the committed sequence afresh each block."""
+
+
+class HybridDrafter:
+    """Prompt lookup when the trailing n-gram occurred before, else a model drafter.
+
+    A lookup draft costs no forward pass, and where text is copied (summaries, RAG, code edits) it
+    is long and mostly accepted; elsewhere the model drafts. Each block is drafted wholly by one of
+    them, chosen from the committed ids alone, so sampling stays exact: lookup drafts are
+    deterministic (one-hot proposals) and model drafts carry their own distributions.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, lookup: PromptLookupDrafter, model_drafter: Drafter) -> None:
+        self.lookup = lookup
+        self.model_drafter = model_drafter
+
+    def draft(
+        self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None, keep_drafting: KeepDrafting | None = None
+    ) -> Draft:
+        copied = self.lookup.draft(ids, max_tokens, rng)
+        return copied if copied.tokens else self.model_drafter.draft(ids, max_tokens, rng, keep_drafting)
+
+    def commit(self, ids: torch.Tensor) -> None:
+        """The model drafter catches up on (or crops away) whatever the committed ids say."""
+        self.model_drafter.commit(ids)

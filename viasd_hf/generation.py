@@ -41,8 +41,8 @@ from .architectures import base_model, is_encoder_decoder, model_config
 from .cache import new_cache
 from .config import ViaSDConfig
 from .decoding import ViaSDDecoder
-from .drafters import AssistantDrafter, Drafter, PromptLookupDrafter, SelfDrafter
-from .hub import default_masks_repo
+from .drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
+from .mask_repo import default_masks_repo
 from .mask_cache import cached_mask
 from .masks import RoutingMask
 from .state import DecodingState, ModelInputs, TargetCache
@@ -108,25 +108,33 @@ def build_drafter(
     assistant_model: nn.Module | None,
     target_cache: TargetCache,
 ) -> Drafter:
-    """Choose the drafter as HF users expect: assistant model, else prompt lookup, else the self-drafter."""
-    if assistant_model is not None:
-        if is_encoder_decoder(model):
-            raise ValueError(
-                "an assistant model for an encoder-decoder target is not supported yet; use prompt lookup "
-                "(prompt_lookup_num_tokens=...) or the self-drafter (ViaSDConfig(self_draft_mask=...))"
-            )
-        check_same_vocabulary(model, assistant_model)
-        return AssistantDrafter(
-            assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
-            inputs=target_cache.inputs,
-        )
+    """Choose the drafter as HF users expect: assistant model, else prompt lookup, else the self-drafter.
+
+    ``assistant_model`` together with ``prompt_lookup_num_tokens`` drafts by prompt lookup where the
+    context repeats itself and with the assistant elsewhere (``HybridDrafter``).
+    """
+    lookup = None
     if generation_config.prompt_lookup_num_tokens:
         vocab_size = model_config(model).get_text_config().vocab_size
-        return PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, logits_processor, vocab_size)
-    mask = resolve_mask(config.self_draft_mask, model, "self-drafter")
-    return SelfDrafter(
-        model, mask, target_cache, logits_processor, config.draft_confidence_threshold, generation_config.do_sample
+        lookup = PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, logits_processor, vocab_size)
+    if assistant_model is None:
+        if lookup is not None:
+            return lookup
+        mask = resolve_mask(config.self_draft_mask, model, "self-drafter")
+        return SelfDrafter(
+            model, mask, target_cache, logits_processor, config.draft_confidence_threshold, generation_config.do_sample
+        )
+    if is_encoder_decoder(model):
+        raise ValueError(
+            "an assistant model for an encoder-decoder target is not supported yet; use prompt lookup "
+            "(prompt_lookup_num_tokens=...) or the self-drafter (ViaSDConfig(self_draft_mask=...))"
+        )
+    check_same_vocabulary(model, assistant_model)
+    assistant = AssistantDrafter(
+        assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
+        inputs=target_cache.inputs,
     )
+    return assistant if lookup is None else HybridDrafter(lookup, assistant)
 
 
 def initial_state(model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> DecodingState:

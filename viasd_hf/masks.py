@@ -8,21 +8,26 @@ other. It also records how it was found, so a mask pulled from the Hub explains 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from huggingface_hub import CommitInfo, CommitOperation, CommitOperationAdd, CommitOperationDelete, HfApi
 from torch import nn
 
-from . import __version__
 from .architectures import config_fingerprint, model_config, num_decoder_layers, protected_layers
 from .checks import is_int, is_real
+from .hub_files import Lookup, NotFoundError, commit
+from .hub_mixin import HubMixin
+from .mask_card import CARD_FILENAME, card_row, render_model_card
+from .mask_repo import HOW_TO_GET_A_MASK, MASK_FILENAME, SEARCH_LOG_FILENAME, find_pair_file, pair_folder
+from .version import __version__
 
-if TYPE_CHECKING:
-    from huggingface_hub import CommitInfo
-
-MASK_FILENAME = "routing_mask.json"
 SCHEMA_VERSION = 1
+
+logger = logging.getLogger(__name__)
 
 
 class RoutingMaskError(ValueError):
@@ -33,6 +38,11 @@ def _wrong_type(name: str, expected: str, value: Any) -> RoutingMaskError:
     return RoutingMaskError(f"routing mask field {name!r} must be {expected}, got {value!r} ({type(value).__name__})")
 
 
+# What reading a mask file can raise when the file is malformed (RoutingMaskError is a ValueError,
+# and so are JSON and Unicode decoding errors; wrongly typed fields may raise TypeError).
+MALFORMED_MASK_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
+
+
 # Field types as a mask file must spell them (JSON has no int/bool/float coercion worth trusting).
 _STR_FIELDS = ("target_id", "target_fingerprint", "drafter_id", "library_version")
 _OPTIONAL_STR_FIELDS = ("target_revision", "objective", "calibration")
@@ -41,8 +51,14 @@ _OPTIONAL_REAL_FIELDS = ("objective_value", "skip_ratio", "search_time_s")
 
 
 @dataclass
-class RoutingMask:
+class RoutingMask(HubMixin):
     """The layers a slim verifier keeps, the model pair it belongs to, and how it was found."""
+
+    hub_filename = MASK_FILENAME
+    hub_kind = "routing mask"
+    hub_advice = HOW_TO_GET_A_MASK
+    not_found_error = RoutingMaskError
+    malformed_error = RoutingMaskError
 
     kept_layers: list[int]
     num_layers: int
@@ -178,30 +194,10 @@ class RoutingMask:
             raise RoutingMaskError(f"the routing mask lacks required fields {missing}")
         return cls(**data)
 
-    def save_pretrained(self, save_directory: str | Path) -> Path:
-        """Write ``routing_mask.json`` into ``save_directory`` and return its path."""
-        directory = Path(save_directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / MASK_FILENAME
-        path.write_text(self.to_json())
-        return path
-
-    def push_to_hub(self, repo_id: str, **options: Any) -> CommitInfo:
-        """Publish this mask to a Hub repo of masks and refresh the repo's model card.
-
-        It lands at ``<target-slug>/<drafter-slug or self>/routing_mask.json`` (slugs default to
-        the ids in the mask). A mask that is inconsistent, or not made for ``model=`` when one is
-        given, is refused. Returns the commit (a ``str``, its URL; ``.oid`` is the commit sha).
-        ``options`` are those of ``viasd_hf.hub.push_mask`` (``endpoint``, ``revision``, ``token``, ...).
-        """
-        from .hub import push_mask
-
-        return push_mask(self, repo_id, **options)
-
     @classmethod
     def from_pretrained(
         cls,
-        source: str | Path | tuple[str, str],
+        source: str | os.PathLike[str] | tuple[str, str],
         *,
         subfolder: str | None = None,
         revision: str | None = None,
@@ -215,28 +211,138 @@ class RoutingMask:
 
         An existing local path wins. Otherwise the Hub is asked (the user cache answers when
         offline or with ``local_files_only``): ``source`` as a repo id (``subfolder`` inside it),
-        or, for a pair, the masks repo ``repo_id`` (default ``$VIASD_MASKS_REPO``) at
-        ``<target-slug>/<drafter-slug or self>/routing_mask.json``, then the masks shipped with
-        viasd_hf. See ``viasd_hf.hub.pull_mask``.
+        or, for a pair, the masks repo ``repo_id`` (default ``$VIASD_MASKS_REPO``) then the masks
+        shipped with viasd_hf: see :meth:`find_for_pair`.
         """
-        if isinstance(source, Path) or (isinstance(source, str) and Path(source).exists()):
-            return cls._from_local(Path(source, subfolder or ""))
-        from .hub import pull_mask
-
-        return pull_mask(
-            source, subfolder=subfolder, revision=revision, repo_id=repo_id, endpoint=endpoint, token=token,
+        if isinstance(source, tuple):
+            return cls.find_for_pair(
+                *source, repo_id=repo_id, revision=revision, endpoint=endpoint, token=token,
+                local_files_only=local_files_only, cache_dir=cache_dir,
+            )[0]  # fmt: skip
+        if repo_id is not None:
+            raise ValueError("repo_id= is for a (target, drafter) pair; pass a repo id as the source itself")
+        return super().from_pretrained(
+            source, subfolder=subfolder, revision=revision, endpoint=endpoint, token=token,
             local_files_only=local_files_only, cache_dir=cache_dir,
-        )
+        )  # fmt: skip
 
     @classmethod
-    def _from_local(cls, path: Path) -> RoutingMask:
-        file = path / MASK_FILENAME if path.is_dir() else path
-        if not file.is_file():
-            raise RoutingMaskError(f"no routing mask at {path} (expected a folder with {MASK_FILENAME} or that file)")
+    def find_for_pair(
+        cls,
+        target: str,
+        drafter: str = "self",
+        *,
+        repo_id: str | None = None,
+        revision: str | None = None,
+        endpoint: str | None = None,
+        token: str | bool | None = None,
+        local_files_only: bool = False,
+        cache_dir: str | Path | None = None,
+    ) -> tuple[RoutingMask, str]:
+        """The mask of the ``(target, drafter)`` pair, and where it was found.
+
+        ``drafter`` is a drafter model's id, ``"self"`` (the slim verifier's mask when no drafter
+        model runs: prompt lookup or the self-drafter) or ``"self-drafter"`` (the self-drafter's own
+        drafting mask); see ``viasd_hf.mask_repo`` for their folders. The pair is read from
+        the masks repo ``repo_id`` at ``revision``; when neither is given, from ``$VIASD_MASKS_REPO``
+        (else the project's repo), then from the masks shipped with viasd_hf (``viasd_hf.mask_repo``).
+        Raises ``RoutingMaskError`` naming every place it looked.
+        """
+        api = HfApi(endpoint=endpoint, token=token)
+        lookup = Lookup(revision=revision, local_files_only=local_files_only, cache_dir=cache_dir)
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as error:
-            raise RoutingMaskError(f"{file} is not a routing mask: it is not UTF-8 text ({error})") from error
-        except json.JSONDecodeError as error:
-            raise RoutingMaskError(f"{file} is not valid JSON: {error}") from error
-        return cls.from_dict(data)
+            path, where = find_pair_file(api, target, drafter, repo_id, lookup)
+        except NotFoundError as error:
+            raise RoutingMaskError(str(error)) from error
+        return cls._read(path), where
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        subfolder: str | None = None,
+        target_slug: str | None = None,
+        drafter_slug: str | None = None,
+        model: nn.Module | None = None,
+        search_log: bytes | None = None,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        endpoint: str | None = None,
+        revision: str | None = None,
+        create_repo: bool = True,
+    ) -> CommitInfo:
+        """Publish this mask (and ``search_log``) to a Hub repo of masks and refresh the repo's model card.
+
+        It lands at ``<target-slug>/<drafter folder>/routing_mask.json`` (``viasd_hf.mask_repo``;
+        the slugs default to the ids in the mask), or in ``subfolder``. One commit adds the mask
+        and its search log (or removes a stale one) and regenerates the card from every mask in
+        the repo, on top of the revision it read them from, so a concurrent push makes it fail
+        instead of leaving a card that misses a pair. A mask that is inconsistent, or not made
+        for ``model`` when one is given, is refused. ``revision`` is a branch, created when
+        missing. Returns the commit (a ``str``, its URL; ``.oid`` is the commit sha).
+        """
+        if subfolder is not None and (target_slug or drafter_slug):
+            raise ValueError("pass either subfolder= or target_slug=/drafter_slug=, not both")
+        check_pushable(self, model)
+        target, drafter = target_slug or self.target_id, drafter_slug or self.drafter_id
+        folder = (subfolder or "").strip("/") or pair_folder(target, drafter)
+        api = HfApi(endpoint=endpoint, token=token)
+        return commit(
+            api, repo_id, lambda head: self._repo_operations(api, repo_id, head, folder, search_log),
+            commit_message=commit_message or f"Add routing mask for {folder}", revision=revision, private=private,
+            create_repo=create_repo,
+        )  # fmt: skip
+
+    def _repo_operations(
+        self, api: HfApi, repo_id: str, head: str, folder: str, search_log: bytes | None
+    ) -> list[CommitOperation]:
+        """What a push commits on top of ``head``: this mask, the regenerated card, and the search log (or its removal)."""
+        files = api.list_repo_files(repo_id, revision=head)
+        path = f"{folder}/{MASK_FILENAME}"
+        records = _mask_records(api, repo_id, head, files) | {path: self.to_dict()}
+        operations: list[CommitOperation] = [
+            CommitOperationAdd(path, self.to_json().encode()),
+            CommitOperationAdd(CARD_FILENAME, render_model_card(repo_id, records).encode()),
+        ]
+        log_path = f"{folder}/{SEARCH_LOG_FILENAME}"
+        if search_log is not None:
+            operations.append(CommitOperationAdd(log_path, search_log))
+        elif log_path in files:
+            operations.append(CommitOperationDelete(log_path))
+        return operations
+
+
+def check_pushable(mask: RoutingMask, model: nn.Module | None = None) -> None:
+    """Refuse to publish a mask that is inconsistent or, when ``model`` is given, not made for it.
+
+    The dataclass checks run at construction only, so a mask edited since is rebuilt from its
+    JSON to run them again (schema, duplicate or out-of-range layers, unknown fields).
+    """
+    try:
+        mask.checked_json()
+    except TypeError as error:
+        raise RoutingMaskError(f"the routing mask does not serialise to JSON: {error}") from error
+    if not mask.target_id or not mask.target_fingerprint:
+        raise RoutingMaskError(
+            "the routing mask lacks the target's id or config fingerprint; build it with RoutingMask.from_model"
+        )
+    if model is not None:
+        mask.validate_for(model)
+
+
+def _mask_records(api: HfApi, repo_id: str, revision: str, files: list[str]) -> dict[str, dict[str, Any]]:
+    """Every pair's mask record in the repo at ``revision``, keyed by path; unreadable ones are left out with a warning."""
+    records = {}
+    for path in files:
+        if path.count("/") == 2 and path.endswith(f"/{MASK_FILENAME}"):
+            local = Path(api.hf_hub_download(repo_id, path, revision=revision))
+            try:
+                record = RoutingMask.from_pretrained(local).to_dict()
+                card_row(path, record)  # a value the card cannot show would break it
+            except MALFORMED_MASK_ERRORS as error:
+                logger.warning("leaving %s out of the model card of %s: it is not a valid routing mask (%s: %s)",
+                               path, repo_id, type(error).__name__, error)
+                continue
+            records[path] = record
+    return records

@@ -36,6 +36,7 @@ class TierLogits:
     logits: torch.Tensor
     scores: torch.Tensor
     seconds: float = 0.0
+    fed: int = 0  # tokens the pass ran over: the unprocessed committed ones and the draft
 
     @cached_property
     def unscaled(self) -> torch.Tensor:
@@ -71,7 +72,7 @@ class Verifier:
         else:
             logits = cache.run(self.model, feed, cache.length, keep)
         scores = self._processed(state.ids, draft, logits)
-        return TierLogits(logits.float(), scores, seconds=time.perf_counter() - started)
+        return TierLogits(logits.float(), scores, seconds=time.perf_counter() - started, fed=feed.shape[1])
 
     def _processed(self, ids: torch.Tensor, draft: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Each position's scores as ``generate`` would process them after the committed ids and the drafts before it."""

@@ -21,6 +21,8 @@ from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from .. import models
+
 # The dtypes ``viasd_hf.models.load_pretrained`` accepts by name (tests/test_cli.py keeps them in step).
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -90,9 +92,7 @@ positive_ints = _listed(positive_int, "whole numbers >= 1")
 
 def check_model(name: str, flag: str) -> None:
     """A zoo name, a local model folder or a Hub id (cached, when offline); else ``UsageError``."""
-    from .models import ZOO
-
-    if name in ZOO:
+    if name in models.ZOO:
         return
     path = Path(name).expanduser()
     if path.is_dir():
@@ -101,8 +101,8 @@ def check_model(name: str, flag: str) -> None:
         return
     if path.exists():
         raise UsageError(f"{flag} {name}: is a file; pass a zoo name, a model folder or a Hub id")
-    zoo = ", ".join(ZOO)
-    close = difflib.get_close_matches(name.lower(), list(ZOO), n=1, cutoff=0.75)
+    zoo = ", ".join(models.ZOO)
+    close = difflib.get_close_matches(name.lower(), list(models.ZOO), n=1, cutoff=0.75)
     if close and "/" not in name:
         raise UsageError(f"{flag} {name}: unknown model; did you mean the zoo model {close[0]}? (zoo: {zoo})")
     if name.startswith((".", "/", "~")):
@@ -174,8 +174,6 @@ def check_repo_id(repo_id: str | None, flag: str = "--repo-id") -> None:
 
 def load_model(name: str, dtype: str, flag: str):
     """``load_pretrained``, with a model that cannot be loaded reported as one line."""
-    from . import models
-
     try:
         return models.load_pretrained(name, dtype=dtype)
     except (OSError, ValueError, models.ZooError) as error:

@@ -9,9 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from ..cli_args import (
+from ..bench.methods import METHODS, MethodSettings, MethodTable
+from ..bench.report import environment, markdown, per_task_markdown, plots, time_markdown
+from ..bench.tasks import DATASETS, Example, load_examples, load_jsonl
+from ..masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
+from .args import (
     DTYPES,
     UsageError,
     check_model,
@@ -23,10 +28,6 @@ from ..cli_args import (
     positive_int,
     probability,
 )
-from ..hub import MALFORMED_MASK_ERRORS
-from ..masks import RoutingMask, RoutingMaskError
-from .methods import METHODS, MethodSettings, MethodTable
-from .tasks import DATASETS, Example, load_examples, load_jsonl
 
 DRAFTER_METHODS = frozenset({"hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless"})
 MASK_METHODS = frozenset({"viasd", "viasd_lossless"})  # need --mask or a known mask for the pair
@@ -144,10 +145,9 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    import torch
-
-    from .report import environment, markdown, per_task_markdown, plots, time_markdown
-    from .runner import machine_bandwidth_gb_s, run_methods, summarise
+    """Check the arguments, load the pair, run every method on every prompt, then save and print the figures."""
+    # Here, not at the top: the scorers the runner imports (rouge_score, sacrebleu) take about a second to load.
+    from ..bench.runner import machine_bandwidth_gb_s, run_methods, summarise
 
     names, examples, mask, self_mask = check_bench_args(args)
     if args.threads:

@@ -1,0 +1,91 @@
+"""The draft-length cost model on synthetic costs and acceptances: no model, no clock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_causal_lm
+from viasd_hf import RoutingMask
+from viasd_hf.accept import Draft
+from viasd_hf.draft_planner import AcceptanceModel, DraftPlanner, MeasuredCosts, StaticCosts, weight_bytes
+
+
+def drafted(planner: DraftPlanner, confidence: float, limit: int = 50) -> int:
+    """How many tokens the planner drafts when every draft comes with ``confidence``."""
+    confidences: list[float] = []
+    while len(confidences) < limit and planner.keep_drafting(confidences):
+        confidences.append(confidence)
+    return len(confidences)
+
+
+def test_a_cheap_drafter_drafts_longer():
+    cheap = DraftPlanner(StaticCosts(drafter=0.05), longest=15)
+    dear = DraftPlanner(StaticCosts(drafter=0.5), longest=15)
+    assert drafted(cheap, 0.9) > drafted(dear, 0.9) >= 1
+
+
+def test_confident_drafts_run_longer_and_an_unsure_one_ends_the_block():
+    planner = DraftPlanner(StaticCosts(drafter=0.2), longest=15)
+    assert drafted(planner, 0.95) > drafted(planner, 0.6)
+    assert not planner.keep_drafting([0.9, 0.9, 0.1]), "a draft the drafter doubts makes the next one worthless"
+    assert planner.keep_drafting([]), "the first token is always drafted, so calibration keeps learning"
+
+
+def test_the_draft_is_capped():
+    assert drafted(DraftPlanner(StaticCosts(drafter=0.0), longest=7), 0.99) == 7
+
+
+def test_an_overconfident_drafter_is_calibrated_down():
+    """A drafter that says 0.95 but sees half its drafts rejected soon drafts less than one taken at its word."""
+    naive = DraftPlanner(StaticCosts(drafter=0.2), longest=15)
+    calibrated = DraftPlanner(StaticCosts(drafter=0.2), longest=15)
+    for _ in range(60):
+        # judged 3 drafts, kept the first only: position 0 kept, position 1 rejected
+        calibrated.observe(Draft([1, 2, 3], [one_hot_ish(0.95)] * 3), judged=3, kept=1)
+    assert calibrated.acceptance.kept(0.95) < 0.6
+    assert drafted(calibrated, 0.95) < drafted(naive, 0.95)
+
+
+def one_hot_ish(mass: float) -> torch.Tensor:
+    """A drafter distribution over 4 tokens with ``mass`` on every drafted token's id (1, 2, 3 share it)."""
+    return torch.tensor([1 - mass, mass, mass, mass])
+
+
+def test_copied_drafts_do_not_calibrate_the_drafter():
+    planner = DraftPlanner(StaticCosts(drafter=0.2), longest=15)
+    planner.observe(Draft([1, 2], [None, None]), judged=2, kept=0)
+    assert planner.acceptance.overall.weight == 0
+
+
+def test_drafts_after_the_first_rejection_teach_nothing():
+    model = AcceptanceModel()
+    model.observe([0.9, 0.9, 0.9, 0.9], judged=4, kept=1)
+    assert [round(p.weight) for p in model.by_position] == [1, 1]
+
+
+def test_measured_costs_recover_a_linear_verifying_pass():
+    costs = MeasuredCosts(StaticCosts(drafter=0.3))
+    for tokens in [1, 3, 5, 7, 2, 6, 4, 8] * 4:
+        costs.observe_verifying(0.100 + 0.004 * tokens, tokens)
+        costs.observe_drafting(0.050 * 3, 3)
+    assert costs.verify_base() == pytest.approx(0.100, rel=1e-6)
+    assert costs.verify_per_token() == pytest.approx(0.004, rel=1e-6)
+    assert costs.drafter_pass() == pytest.approx(0.050, rel=0.05)
+
+
+def test_measured_costs_start_from_the_static_guess_in_seconds():
+    costs = MeasuredCosts(StaticCosts(drafter=0.25))
+    costs.observe_verifying(0.2, 1)
+    assert costs.drafter_pass() == pytest.approx(0.25 * 0.2, rel=0.01), "a quarter of the one measured target pass"
+
+
+def test_static_costs_follow_the_weights_each_drafter_reads():
+    target = tiny_causal_lm("llama", seed=0)
+    small = tiny_causal_lm("llama", seed=1, num_hidden_layers=2)
+    lighter = StaticCosts.for_drafter(target, None, RoutingMask.from_model(target, skip=[1])).drafter
+    heavier = StaticCosts.for_drafter(target, None, RoutingMask.from_model(target, skip=[1, 2])).drafter
+    assert 0 < heavier < lighter < 1
+    assert StaticCosts.for_drafter(target, target, None).drafter == pytest.approx(1.0)
+    assert StaticCosts.for_drafter(target, small, None).drafter == pytest.approx(weight_bytes(small) / weight_bytes(target))
+    assert StaticCosts.for_drafter(target, small, None).drafter < 1

@@ -1,0 +1,46 @@
+"""The ``viasd`` command: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from .args import CommandError
+from .bench import add_bench_command
+from .demo import add_demo_command
+from .hub import add_hub_commands
+from .profile import add_profile_command
+from .search import add_search_command
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``viasd`` parser; the subcommands are listed in ``--help`` in this order."""
+    parser = _Parser(prog="viasd", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_demo_command(subparsers)
+    add_bench_command(subparsers)
+    add_profile_command(subparsers)
+    add_search_command(subparsers)
+    add_hub_commands(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; a mistake in the arguments is one line on stderr and exit status 2, not a traceback."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help (0), or its usage and one error line (2)
+        return exit_.code if isinstance(exit_.code, int) else 1
+    try:
+        return args.handler(args)
+    except CommandError as error:
+        print(f"viasd {args.command}: error: {error}", file=sys.stderr)
+        return error.exit_status

@@ -1,0 +1,81 @@
+"""``viasd push`` and ``viasd pull``: routing masks to and from a Hub repo of masks, one pair at a time."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from huggingface_hub import constants
+from huggingface_hub.errors import HfHubHTTPError
+
+from ..hub import push_mask
+from ..hub_files import NO_ANSWER
+from ..mask_repo import DEFAULT_MASKS_REPO, MASK_FILENAME, MASKS_REPO_ENV, SEARCH_LOG_FILENAME
+from ..masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError, check_pushable
+from .args import CommandError, UsageError, check_endpoint, check_output_dir, check_repo_id, first_line
+
+
+def add_hub_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``viasd push`` and ``viasd pull``."""
+    push = subparsers.add_parser("push", help="publish a routing mask (and its search log) to a Hub repo of masks")
+    push.add_argument("mask_dir", metavar="MASK_DIR", help=f"folder holding {MASK_FILENAME} (and {SEARCH_LOG_FILENAME})")
+    push.add_argument("--repo-id", required=True, help=f"Hub repo of masks, e.g. {DEFAULT_MASKS_REPO}")
+    _add_hub_options(push, revision_help="branch to commit to (created if missing; default main)")
+    push.set_defaults(handler=run_push_command)
+
+    pull = subparsers.add_parser("pull", help="download the routing mask of a target/drafter pair")
+    pull.add_argument("--target", required=True, help="target model: Hub id or zoo name")
+    pull.add_argument("--drafter", default="self", help='drafter model: Hub id, zoo name or "self" (default)')
+    pull.add_argument("--repo-id", help=f"Hub repo of masks (default ${MASKS_REPO_ENV} or {DEFAULT_MASKS_REPO})")
+    _add_hub_options(pull, revision_help="branch or commit sha to read (default main)")
+    pull.add_argument("--out", required=True, type=Path, help=f"folder to write {MASK_FILENAME} into")
+    pull.set_defaults(handler=run_pull_command)
+
+
+def _add_hub_options(parser: argparse.ArgumentParser, revision_help: str) -> None:
+    parser.add_argument("--revision", help=revision_help)
+    parser.add_argument("--endpoint", help="Hub URL (default $HF_ENDPOINT or https://huggingface.co)")
+    parser.add_argument("--token", help="Hub token (default: the one saved by `hf auth login`)")
+
+
+def run_push_command(args: argparse.Namespace) -> int:
+    """Check the mask folder before asking the Hub anything, then publish it in one commit."""
+    check_repo_id(args.repo_id)
+    check_endpoint(args.endpoint)
+    source = Path(args.mask_dir).expanduser()
+    if not source.exists():  # else RoutingMask.from_pretrained would take it for a Hub id and ask the Hub
+        raise UsageError(f"MASK_DIR {args.mask_dir}: no such folder or file")
+    try:
+        check_pushable(RoutingMask.from_pretrained(source))
+    except MALFORMED_MASK_ERRORS as error:
+        raise UsageError(f"MASK_DIR {args.mask_dir}: not a valid routing mask: {first_line(error)}") from None
+    try:
+        commit = push_mask(source, args.repo_id, token=args.token, endpoint=args.endpoint, revision=args.revision)
+    except (RoutingMaskError, HfHubHTTPError) as error:
+        raise CommandError(f"{args.repo_id}: {first_line(error)}") from error
+    except NO_ANSWER as error:
+        raise CommandError(f"the Hub at {args.endpoint or constants.ENDPOINT} did not answer: {first_line(error)}") from error
+    print(f"pushed {args.mask_dir} to {args.repo_id}: {commit}")
+    return 0
+
+
+def run_pull_command(args: argparse.Namespace) -> int:
+    """Find the pair's mask (see ``RoutingMask.find_for_pair``), save it to ``--out`` and say where it came from."""
+    check_repo_id(args.repo_id)
+    check_endpoint(args.endpoint)
+    for flag, model in (("--target", args.target), ("--drafter", args.drafter)):
+        if not model.strip().strip("/"):
+            raise UsageError(f"{flag} must name a model")
+    check_output_dir(args.out, "--out")
+    try:
+        mask, where = RoutingMask.find_for_pair(
+            args.target, args.drafter, repo_id=args.repo_id, revision=args.revision, endpoint=args.endpoint,
+            token=args.token,
+        )  # fmt: skip
+    except RoutingMaskError as error:  # a headline, then where it looked and how to get a mask
+        raise CommandError(str(error)) from None
+    except MALFORMED_MASK_ERRORS as error:
+        raise CommandError(f"the routing mask found is not valid: {first_line(error)}") from None
+    path = mask.save_pretrained(args.out)
+    print(f"wrote {path} (from {where}): keeps {len(mask.kept_layers)} of {mask.num_layers} layers of {mask.target_id}")
+    return 0

@@ -1,0 +1,130 @@
+"""Where a model pair's routing mask lives in a masks repo, and where a pair's mask is looked up.
+
+One Hub repo holds the masks of many model pairs; the ``hub_masks/`` folder shipped with viasd_hf
+mirrors its layout::
+
+    <target-slug>/<drafter folder>/routing_mask.json
+    <target-slug>/<drafter folder>/search_log.jsonl    (when the search left one)
+    README.md                                          (model card listing every pair, generated)
+
+A slug is the model id lowercased with ``/`` replaced by ``--``, so a zoo name such as
+``qwen2.5-coder-1.5b-instruct`` stays as it is and ``Qwen/Qwen2.5-Coder-1.5B-Instruct`` becomes
+``qwen--qwen2.5-coder-1.5b-instruct``. The drafter folder is the drafter model's slug, or one of
+two names for masks that go with no drafter model:
+
+- ``model-free`` (:data:`MODEL_FREE`): the slim verifier's mask when the drafts come from no
+  drafter model (prompt lookup, the self-drafter). Masks searched without a drafter record the
+  drafter id ``"self"``, which names this folder too (``viasd pull --drafter self``).
+- ``self-draft`` (:data:`SELF_DRAFT`): the self-drafter's own, heavier drafting mask
+  (``ViaSDConfig.self_draft_mask``), asked for by ``generate`` and ``viasd bench`` as the drafter
+  id ``"self-drafter"``.
+
+These folders used to be called ``self`` and ``self-drafter``, names that read the wrong way
+round; masks already published under them are still found (:data:`LEGACY_FOLDERS`).
+
+Where a pair's mask is looked up:
+
+- with an explicit ``repo_id`` or ``revision``: that repo and revision only. A miss is an error;
+  the shipped masks never stand in for an explicit request.
+- by default (``$VIASD_MASKS_REPO``, else the project's repo; ``main``): that repo, then the
+  shipped folder, which is only ever read from disk.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from huggingface_hub import HfApi
+from huggingface_hub.errors import EntryNotFoundError
+
+from .hub_files import HUB_MISSES, Lookup, NotFoundError, describe_miss, fetch, not_found_message
+
+MASK_FILENAME = "routing_mask.json"
+SEARCH_LOG_FILENAME = "search_log.jsonl"
+DEFAULT_MASKS_REPO = "viasd-hf/routing-masks"
+MASKS_REPO_ENV = "VIASD_MASKS_REPO"
+
+MODEL_FREE = "model-free"
+SELF_DRAFT = "self-draft"
+# Drafter ids that name no drafter model, and their folders (see the module docstring).
+_FOLDER_OF_DRAFTER_ID = {"self": MODEL_FREE, "self-drafter": SELF_DRAFT}
+# The drafter folders' former names: a mask missing under the new name is looked for under the old one on the Hub.
+LEGACY_FOLDERS = {MODEL_FREE: "self", SELF_DRAFT: "self-drafter"}
+
+HOW_TO_GET_A_MASK = (
+    "To get a mask: search one for the model with `viasd search` (and publish it with `viasd push`), "
+    "or download a published one with `viasd pull --target TARGET --drafter DRAFTER --repo-id REPO --out DIR`."
+)
+
+
+def model_slug(model_id: str) -> str:
+    """The folder name of a model in a masks repo: the id lowercased, ``/`` replaced by ``--``."""
+    return model_id.strip().strip("/").lower().replace("/", "--")
+
+
+def drafter_folder(drafter: str) -> str:
+    """The folder of masks made for ``drafter``: a drafter model's slug, or a folder of the module docstring."""
+    slug = model_slug(drafter or "self")
+    return _FOLDER_OF_DRAFTER_ID.get(slug, slug)
+
+
+def pair_folder(target: str, drafter: str = "self") -> str:
+    """The folder of the ``(target, drafter)`` pair in a masks repo (ids or slugs alike)."""
+    return f"{model_slug(target)}/{drafter_folder(drafter)}"
+
+
+def mask_path_in_repo(target: str, drafter: str = "self") -> str:
+    """Where the mask of the ``(target, drafter)`` pair lives in a masks repo."""
+    return f"{pair_folder(target, drafter)}/{MASK_FILENAME}"
+
+
+def default_masks_repo() -> str:
+    """The masks repo to look pairs up in: ``$VIASD_MASKS_REPO``, else the project's public one."""
+    return os.environ.get(MASKS_REPO_ENV) or DEFAULT_MASKS_REPO
+
+
+def shipped_mask_dir() -> Path:
+    """The ``hub_masks`` folder shipped with viasd_hf: inside the package when installed from a wheel,
+    at the repository root in a source checkout (editable installs included)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "hub_masks"
+    return installed if installed.is_dir() else package.parent / "hub_masks"
+
+
+def find_pair_file(api: HfApi, target: str, drafter: str, repo_id: str | None, lookup: Lookup) -> tuple[Path, str]:
+    """The ``(target, drafter)`` pair's mask file and where it was found, in the order of the module docstring.
+
+    Raises ``NotFoundError`` naming every place it looked.
+    """
+    headline = f"no routing mask for target {target!r} with drafter {drafter!r}"
+    explicit = repo_id is not None or lookup["revision"] is not None
+    repo_id = repo_id or default_masks_repo()
+    looked: list[str] = []
+    for filename, note in _paths_on_hub(target, drafter):
+        try:
+            return fetch(api, repo_id, filename, lookup)
+        except HUB_MISSES as error:
+            looked.append(note + describe_miss(api, repo_id, filename, lookup["revision"], error))
+            if not isinstance(error, EntryNotFoundError):  # no repo, revision or answer: another path misses alike
+                break
+    if explicit:  # that repo and revision, or an error: never a mask the caller did not ask for
+        raise NotFoundError(
+            not_found_message(headline, looked, HOW_TO_GET_A_MASK) + "\nThe masks shipped with viasd_hf are only "
+            "used when neither repo_id nor revision is given."
+        )
+    shipped = shipped_mask_dir() / mask_path_in_repo(target, drafter)
+    if shipped.is_file():
+        return shipped, f"the masks shipped with viasd_hf ({shipped})"
+    looked.append(f"masks shipped with viasd_hf: no {shipped}")
+    raise NotFoundError(not_found_message(headline, looked, HOW_TO_GET_A_MASK))
+
+
+def _paths_on_hub(target: str, drafter: str) -> list[tuple[str, str]]:
+    """The pair's mask path in a masks repo, then its path under the drafter folder's legacy name (if it had one)."""
+    folder = drafter_folder(drafter)
+    paths = [(mask_path_in_repo(target, drafter), "")]
+    if folder in LEGACY_FOLDERS:
+        legacy = f"{model_slug(target)}/{LEGACY_FOLDERS[folder]}/{MASK_FILENAME}"
+        paths.append((legacy, f"legacy folder {LEGACY_FOLDERS[folder]}/ of {folder}/: "))
+    return paths
