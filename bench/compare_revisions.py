@@ -52,7 +52,7 @@ for sampled in (False, True):
             model.generate(ids, viasd_config=config, prompt_lookup_num_tokens=4, max_new_tokens=8, **options)  # warm-up
             torch.manual_seed(i)
             started = time.perf_counter()
-            out = model.generate(ids, viasd_config=config, prompt_lookup_num_tokens=4, max_new_tokens=64, **options)
+            out = model.generate(ids, viasd_config=config, prompt_lookup_num_tokens=4, max_new_tokens=int(sys.argv[2]), **options)
             seconds += time.perf_counter() - started
             tokens += out.shape[1] - ids.shape[1]
             outputs.append(out[0, ids.shape[1]:].tolist())
@@ -61,8 +61,11 @@ print(json.dumps(results))
 '''
 
 
-def run_once(tree: Path, threads: int) -> dict:
-    command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tree)!r}); exec({WORKLOAD!r})", str(threads)]
+def run_once(tree: Path, threads: int, max_new_tokens: int) -> dict:
+    command = [
+        sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tree)!r}); exec({WORKLOAD!r})", str(threads),
+        str(max_new_tokens),
+    ]
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
     done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     results = json.loads(done.stdout.strip().splitlines()[-1])
@@ -83,6 +86,7 @@ def main() -> int:
     parser.add_argument("--old", required=True, help="git revision to compare against (e.g. a commit before a change)")
     parser.add_argument("--new", default=None, help="git revision to measure (default: the working tree as it is)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating old/new runs (default 5)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default 64)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per run (default 2)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
@@ -93,7 +97,7 @@ def main() -> int:
             for round_ in range(args.rounds):
                 order = ("old", "new") if round_ % 2 == 0 else ("new", "old")
                 for label in order:
-                    runs[label].append(run_once(trees[label], args.threads))
+                    runs[label].append(run_once(trees[label], args.threads, args.max_new_tokens))
                 print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
         finally:
             for tree in trees.values():

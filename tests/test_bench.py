@@ -101,8 +101,12 @@ def test_every_method_runs_and_reports_what_it_did(table):
     greedy = outcomes["greedy"]
     assert greedy.full_forwards == len(greedy.tokens) == 12
     assert greedy.drafted is None and greedy.tier_tokens == {"drafter": 0, "slim": 0, "full": 12}
-    for name in ("hf_assisted", "hf_prompt_lookup", "self_spec", "two_tier", "viasd_lossless", "cascade"):
+    lossless = ("hf_assisted", "hf_prompt_lookup", "self_spec", "two_tier", "viasd_lossless", "cascade",
+                "two_tier_hybrid", "viasd_lossless_hybrid")
+    for name in lossless:
         assert outcomes[name].tokens == greedy.tokens, f"{name} must reproduce greedy here"
+    assert outcomes["two_tier_hybrid"].viasd["drafter_forwards"] < outcomes["two_tier"].viasd["drafter_forwards"], (
+        "the repeating prompt lets prompt lookup draft for free")
     for name, result in outcomes.items():
         assert sum(result.tier_tokens.values()) == len(result.tokens), name
         assert result.accepted is None or 0 <= result.accepted <= result.drafted, name

@@ -45,8 +45,8 @@ class ViaSDConfig(HubMixin):
     output depends on timing and can differ between identically seeded runs. ``"fixed"``: once per
     call, from the mask alone (tiered: on unless its DIMR record predicts no gain; lossless: off), so
     seeded calls are reproducible. ``"auto"``: ``"measured"`` where the choice cannot change the
-    output (lossless greedy), ``"fixed"`` elsewhere. The draft length adapts in every setting (it
-    follows acceptance counts, not time).
+    output (lossless greedy), ``"fixed"`` elsewhere. Draft lengths are planned from costs in every
+    setting (``draft_planner``): measured costs under ``"measured"``, weight sizes otherwise.
     """
 
     hub_filename = CONFIG_FILENAME
@@ -54,7 +54,7 @@ class ViaSDConfig(HubMixin):
     hub_advice = "To get one: build a ViaSDConfig and save it with save_pretrained(DIR) or push_to_hub(REPO_ID)."
 
     num_draft_tokens: int = 5
-    draft_confidence_threshold: float | None = 0.4  # as HF assisted generation: stop drafting when unsure
+    draft_confidence_threshold: float | None = 0.4  # adaptive=False: as HF assisted generation, stop drafting when unsure
     routing_mask: RoutingMask | str | None = None
     self_draft_mask: RoutingMask | str | None = None
     use_slim: bool = True
@@ -62,7 +62,7 @@ class ViaSDConfig(HubMixin):
     tau_accept: float = 0.7
     tau_escalate: float = 0.5
     mode: str = "tiered"
-    adaptive: bool = True  # slim tier only while it pays (measured online); draft length follows acceptance
+    adaptive: bool = True  # slim tier only while it pays (measured online); draft lengths from a cost model
     tier_switching: str = "auto"  # adaptive=True: "measured" (wall clock), "fixed" (reproducible) or "auto" (see above)
     max_slim_backlog: int = 16  # tokens committed on the slim tier's authority before the full model must catch up
     cascade_lenience: float | None = None  # α: the full model keeps a draft d when q(d) > (1 − α)·max q (lossy)

@@ -23,7 +23,11 @@ from ..config import ViaSDConfig
 from ..generation import enable_viasd
 from ..masks import RoutingMask
 
-METHODS = ("greedy", "hf_assisted", "hf_prompt_lookup", "self_spec", "cascade", "two_tier", "viasd", "viasd_lossless")
+METHODS = (
+    "greedy", "hf_assisted", "hf_prompt_lookup", "self_spec", "cascade", "two_tier", "viasd", "viasd_lossless",
+    "two_tier_hybrid", "viasd_hybrid", "viasd_lossless_hybrid",
+)
+HYBRID_SUFFIX = "_hybrid"  # the same method, drafting by prompt lookup where the context repeats itself
 
 
 @dataclass
@@ -112,12 +116,12 @@ def _hf_method(target: nn.Module, drafts: bool, **extra: Any) -> Method:
     return run
 
 
-def _viasd_method(target: nn.Module, config: ViaSDConfig, drafter: nn.Module | None) -> Method:
+def _viasd_method(target: nn.Module, config: ViaSDConfig, drafter: nn.Module | None, **extra: Any) -> Method:
     """A ``viasd_hf`` decode; its own statistics say who produced each token."""
 
     def run(ids: torch.Tensor, common: dict[str, Any]) -> Outcome:
         started = time.perf_counter()
-        out = target.generate(ids, assistant_model=drafter, viasd_config=config, **common)
+        out = target.generate(ids, assistant_model=drafter, viasd_config=config, **common, **extra)
         seconds = time.perf_counter() - started
         stats = out.viasd_stats
         return Outcome(
@@ -158,25 +162,32 @@ class MethodTable:
         return {name: self._method(name) for name in names}
 
     def _method(self, name: str) -> Method:
-        drafting = self.settings.drafting()
+        if name.endswith(HYBRID_SUFFIX):
+            config, drafter = self._viasd_setup(name.removesuffix(HYBRID_SUFFIX))
+            return _viasd_method(self.target, config, drafter, prompt_lookup_num_tokens=self.settings.prompt_lookup_tokens)
+        if name in ("greedy", "hf_assisted", "hf_prompt_lookup"):
+            return self._hf_baseline(name)
+        return _viasd_method(self.target, *self._viasd_setup(name))
+
+    def _hf_baseline(self, name: str) -> Method:
         target, drafter = self.target, self.drafter
         if name == "greedy":
             return _hf_method(target, drafts=False)
         if name == "hf_assisted":
             return _hf_method(target, drafts=True, assistant_model=drafter)
-        if name == "hf_prompt_lookup":
-            return _hf_method(target, drafts=True, prompt_lookup_num_tokens=self.settings.prompt_lookup_tokens)
+        return _hf_method(target, drafts=True, prompt_lookup_num_tokens=self.settings.prompt_lookup_tokens)
+
+    def _viasd_setup(self, name: str) -> tuple[ViaSDConfig, nn.Module | None]:
+        """The config and drafter of one of our decoders (``self_spec`` drafts with the target itself)."""
+        drafting = self.settings.drafting()
         if name == "self_spec":
-            config = ViaSDConfig(use_slim=False, self_draft_mask=self.self_draft_mask, **drafting)
-            return _viasd_method(target, config, drafter=None)
+            return ViaSDConfig(use_slim=False, self_draft_mask=self.self_draft_mask, **drafting), None
         if name == "cascade":
-            config = ViaSDConfig(use_slim=False, cascade_lenience=self.settings.cascade_lenience, **drafting)
-            return _viasd_method(target, config, drafter)
+            return ViaSDConfig(use_slim=False, cascade_lenience=self.settings.cascade_lenience, **drafting), self.drafter
         if name == "two_tier":
-            return _viasd_method(target, ViaSDConfig(use_slim=False, **drafting), drafter)
+            return ViaSDConfig(use_slim=False, **drafting), self.drafter
         if name == "viasd":
             # the wall-clock controller, so the slim tier runs wherever it pays on this machine; the
             # default ("fixed" for tiered mode) trades that for reproducible output
-            config = ViaSDConfig.paper(routing_mask=self.mask, tier_switching="measured", **drafting)
-            return _viasd_method(target, config, drafter)
-        return _viasd_method(target, ViaSDConfig(routing_mask=self.mask, mode="lossless", **drafting), drafter)
+            return ViaSDConfig.paper(routing_mask=self.mask, tier_switching="measured", **drafting), self.drafter
+        return ViaSDConfig(routing_mask=self.mask, mode="lossless", **drafting), self.drafter

@@ -29,8 +29,11 @@ from .args import (
     probability,
 )
 
-DRAFTER_METHODS = frozenset({"hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless"})
-MASK_METHODS = frozenset({"viasd", "viasd_lossless"})  # need --mask or a known mask for the pair
+DRAFTER_METHODS = frozenset({
+    "hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless", "two_tier_hybrid", "viasd_hybrid",
+    "viasd_lossless_hybrid",
+})
+MASK_METHODS = frozenset({"viasd", "viasd_lossless", "viasd_hybrid", "viasd_lossless_hybrid"})  # need a mask for the pair
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
