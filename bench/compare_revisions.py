@@ -1,6 +1,6 @@
 """Is the decode loop at one git revision slower than at another? Ratios from one run.
 
-Runs the same VIA-SD generations on SmolLM2-135M-Instruct (prompt lookup drafting; two-tier, tiered
+Runs the same VIA-SD generations on SmolLM2-135M-Instruct, or a tiny random model (prompt lookup drafting; two-tier, tiered
 and lossless, greedy and sampled) with the package from each revision, in alternating subprocesses
 so that machine load affects both alike, and prints seconds per token and the ratio new / old.
 Greedy outputs must match between the revisions for lossless and two-tier decoding; that is checked.
@@ -28,13 +28,22 @@ from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.models import load_pretrained
 
 torch.set_num_threads(int(sys.argv[1]))
-model, tokenizer = load_pretrained("smollm2-135m-instruct")
+if sys.argv[3] == "tiny":  # a 4-layer random model: the loop's own overhead dominates
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512)).eval()
+    mask = RoutingMask.from_model(model, skip=[2])
+    prompts = [torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(i)).repeat(1, 3) for i in range(4)]
+else:
+    model, tokenizer = load_pretrained(sys.argv[3])
+    mask = RoutingMask.from_model(model, skip=[4, 9, 14, 19])
+    questions = ["List ten fruits, one per line.", "Write a Python function that reverses a string.",
+                 "Explain what a hash map is in two sentences.", "Repeat after me: the cat sat on the mat, the cat sat."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
 enable_viasd(model)
-mask = RoutingMask.from_model(model, skip=[4, 9, 14, 19])
-questions = ["List ten fruits, one per line.", "Write a Python function that reverses a string.",
-             "Explain what a hash map is in two sentences.", "Repeat after me: the cat sat on the mat, the cat sat."]
-prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
 setups = {
     "two_tier": ViaSDConfig(routing_mask=mask, use_slim=False),
     "tiered": ViaSDConfig(routing_mask=mask, adaptive=False),
@@ -49,10 +58,12 @@ for sampled in (False, True):
         for i, ids in enumerate(prompts):
             torch.manual_seed(i)
             options = dict(do_sample=True, temperature=0.8) if sampled else dict(do_sample=False)
-            model.generate(ids, viasd_config=config, prompt_lookup_num_tokens=4, max_new_tokens=8, **options)  # warm-up
+            model.generate(ids, viasd_config=config, prompt_lookup_num_tokens=4, max_new_tokens=8, pad_token_id=0,
+                           **options)  # warm-up
             torch.manual_seed(i)
             started = time.perf_counter()
-            out = model.generate(ids, viasd_config=config, prompt_lookup_num_tokens=4, max_new_tokens=int(sys.argv[2]), **options)
+            out = model.generate(ids, viasd_config=config, prompt_lookup_num_tokens=4, max_new_tokens=int(sys.argv[2]),
+                                 pad_token_id=0, **options)
             seconds += time.perf_counter() - started
             tokens += out.shape[1] - ids.shape[1]
             outputs.append(out[0, ids.shape[1]:].tolist())
@@ -61,10 +72,10 @@ print(json.dumps(results))
 '''
 
 
-def run_once(tree: Path, threads: int, max_new_tokens: int) -> dict:
+def run_once(tree: Path, threads: int, max_new_tokens: int, model: str) -> dict:
     command = [
         sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tree)!r}); exec({WORKLOAD!r})", str(threads),
-        str(max_new_tokens),
+        str(max_new_tokens), model,
     ]
     env = os.environ | {"HF_HUB_OFFLINE": "1"}
     done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
@@ -86,6 +97,8 @@ def main() -> int:
     parser.add_argument("--old", required=True, help="git revision to compare against (e.g. a commit before a change)")
     parser.add_argument("--new", default=None, help="git revision to measure (default: the working tree as it is)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating old/new runs (default 5)")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="a zoo name, or 'tiny' (a random 4-layer model: the loop's own overhead)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default 64)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per run (default 2)")
     args = parser.parse_args()
@@ -97,7 +110,7 @@ def main() -> int:
             for round_ in range(args.rounds):
                 order = ("old", "new") if round_ % 2 == 0 else ("new", "old")
                 for label in order:
-                    runs[label].append(run_once(trees[label], args.threads, args.max_new_tokens))
+                    runs[label].append(run_once(trees[label], args.threads, args.max_new_tokens, args.model))
                 print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
         finally:
             for tree in trees.values():
