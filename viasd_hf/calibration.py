@@ -9,7 +9,8 @@ and its log-probabilities over the window (``TeacherForcedReference``).
 A window is scored the way the slim verifier runs when decoding: it reads the full model's
 committed prefix from the KV cache and scores a block in one teacher-forced pass. The block here
 is the τ continuation tokens, longer than a decoding block (γ ≈ 5), so later tokens see more of
-the slim model's own keys and values — a slightly pessimistic, but cheap, proxy.
+the slim model's own keys and values — a slightly pessimistic, but cheap, proxy. Windows may also
+start ``depths`` tokens into the continuation, so that later positions are scored too.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Window:
     prompt_id: str
     tokens: torch.Tensor
     start: int
+    depth: int = 0  # continuation tokens already committed before the scored block
 
     @property
     def positions(self) -> int:
@@ -75,23 +77,30 @@ class Calibration:
     source: str
     window: int
     max_prompt_tokens: int
+    depths: tuple[int, ...] = (0,)
 
     @property
     def calibration_ids(self) -> list[str]:
-        return [w.prompt_id for w in self.windows]
+        return prompt_ids(self.windows)
 
     @property
     def heldout_ids(self) -> list[str]:
-        return [w.prompt_id for w in self.heldout]
+        return prompt_ids(self.heldout)
 
     def describe(self) -> str:
         positions = sum(w.positions for w in self.windows)
+        depths = "" if self.depths == (0,) else f", windows at continuation depths {','.join(map(str, self.depths))}"
         return (
-            f"{len(self.windows)} prompts from {self.source} + the target's greedy continuation "
-            f"(τ={self.window} tokens, prompts cut at {self.max_prompt_tokens} tokens; {positions} positions); "
-            f"{len(self.heldout)} disjoint held-out prompts. Calibration ids: {','.join(self.calibration_ids)}; "
+            f"{len(self.calibration_ids)} prompts from {self.source} + the target's greedy continuation "
+            f"(τ={self.window} tokens{depths}, prompts cut at {self.max_prompt_tokens} tokens; {positions} positions); "
+            f"{len(self.heldout_ids)} disjoint held-out prompts. Calibration ids: {','.join(self.calibration_ids)}; "
             f"held-out ids: {','.join(self.heldout_ids)}"
         )
+
+
+def prompt_ids(windows: Sequence[Window]) -> list[str]:
+    """The prompts behind ``windows``, each once, in order (a prompt has one window per depth)."""
+    return list(dict.fromkeys(w.prompt_id for w in windows))
 
 
 # --------------------------------------------------------------------------- prompts
@@ -228,9 +237,41 @@ def build_windows(
     window: int = 16,
     max_prompt_tokens: int = 384,
     progress: bool = True,
+    depths: Sequence[int] = (0,),
 ) -> list[Window]:
-    """One window per prompt: the prompt and ``window`` greedy tokens of the target, cached on disk."""
-    path = cache_path(model, tokenizer, prompts, window, max_prompt_tokens)
+    """Per prompt, one window of ``window`` greedy tokens of the target at each of ``depths`` into its continuation.
+
+    Windows deeper into the continuation score the later positions a decoder spends most of its
+    time at, which the first τ tokens after the prompt alone do not. The continuation
+    (``max(depths) + window`` tokens) is cached on disk; a depth it does not reach (the target
+    stopped earlier) gives no window.
+    """
+    if not depths or min(depths) < 0:
+        raise ValueError(f"depths must be a non-empty list of whole numbers >= 0, got {list(depths)}")
+    continued = continuations(model, tokenizer, prompts, max(depths) + window, max_prompt_tokens, progress)
+    return [part for full in continued for part in at_depths(full, depths, window)]
+
+
+def at_depths(full: Window, depths: Sequence[int], window: int) -> list[Window]:
+    """``full`` (a depth-0 window) cut into windows of up to ``window`` scored tokens starting ``depths`` tokens in."""
+    parts = []
+    for depth in sorted(set(depths)):
+        start = full.start + depth
+        if start + 1 < full.tokens.shape[1]:
+            parts.append(Window(full.prompt_id, full.tokens[:, : start + window + 1], start, depth))
+    return parts
+
+
+def continuations(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    length: int,
+    max_prompt_tokens: int,
+    progress: bool = True,
+) -> list[Window]:
+    """One depth-0 window per prompt: the prompt and ``length`` greedy tokens of the target, cached on disk."""
+    path = cache_path(model, tokenizer, prompts, length, max_prompt_tokens)
     if path.is_file():
         stored = torch.load(path)
         return [Window(w["prompt_id"], w["tokens"], w["start"]) for w in stored["windows"]]
@@ -238,11 +279,11 @@ def build_windows(
     windows = []
     for prompt in tqdm(prompts, desc="calibration: greedy continuations", unit="prompt", disable=not progress):
         ids = encode_prompt(tokenizer, prompt.text, max_prompt_tokens)
-        continuation = greedy_continuation(model, ids, window, stop)
+        continuation = greedy_continuation(model, ids, length, stop)
         windows.append(Window(prompt.id, torch.tensor([ids + continuation]), start=len(ids) - 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".partial-{os.getpid()}")
-    torch.save({"windows": [vars(w) for w in windows]}, partial)
+    torch.save({"windows": [{"prompt_id": w.prompt_id, "tokens": w.tokens, "start": w.start} for w in windows]}, partial)
     os.replace(partial, path)
     return windows
 
@@ -257,6 +298,7 @@ def build_calibration(
     max_prompt_tokens: int = 384,
     seed: int = 0,
     progress: bool = True,
+    depths: Sequence[int] = (0,),
 ) -> Calibration:
     """Calibration and held-out windows from Spec-Bench (default), a prompt file, or a list of prompts."""
     if prompts is None:
@@ -266,13 +308,14 @@ def build_calibration(
     else:
         source, pool = "user prompts", list(prompts)
     calibration, heldout = split_prompts(pool, num_prompts, num_heldout, seed)
-    build = dict(window=window, max_prompt_tokens=max_prompt_tokens, progress=progress)
+    build = dict(window=window, max_prompt_tokens=max_prompt_tokens, progress=progress, depths=depths)
     return Calibration(
         windows=build_windows(model, tokenizer, calibration, **build),
         heldout=build_windows(model, tokenizer, heldout, **build) if heldout else [],
         source=source,
         window=window,
         max_prompt_tokens=max_prompt_tokens,
+        depths=tuple(sorted(set(depths))),
     )
 
 

@@ -85,6 +85,7 @@ def _listed(convert: Callable[[str], float], wanted: str) -> Callable[[str], lis
 skip_fraction = _number(float, "skip_fraction", lambda v: 0 < v < 1, "a fraction of layers between 0 and 1")
 skip_fractions = _listed(skip_fraction, "fractions between 0 and 1")
 positive_ints = _listed(positive_int, "whole numbers >= 1")
+non_negative_ints = _listed(non_negative_int, "whole numbers >= 0")
 
 
 # --------------------------------------------------------------------------- models, files, the Hub

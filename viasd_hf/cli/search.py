@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 from ..calibration import build_calibration, read_prompts, spec_bench_prompts
+from ..corpus import DEFAULT_DEPTHS, DEFAULT_SEED, DEFAULT_SIZES, corpus_calibration, stratified_corpus
 from ..dimr import OBJECTIVES, search
 from ..mask_repo import MODEL_FREE
 from .args import (
@@ -18,14 +19,17 @@ from .args import (
     first_line,
     load_model,
     non_negative_int,
+    non_negative_ints,
     positive_float,
     positive_int,
     skip_fractions,
 )
 
+CORPORA = ("spec-bench", "stratified")
+
 # The options ``search_command_line`` spells out, in order, so that a saved mask says how to redo it.
 _FLAGS = ("target", "drafter", "skip_ratio", "objective", "iterations", "bo_every", "patience", "time_budget", "seed",
-          "prompts", "num_prompts", "num_heldout", "window", "max_prompt_tokens", "dtype", "out")  # fmt: skip
+          "corpus", "prompts", "num_prompts", "num_heldout", "window", "depths", "max_prompt_tokens", "dtype", "out")  # fmt: skip
 
 
 def _skip_ratios(text: str) -> float | list[float]:
@@ -59,10 +63,20 @@ def add_search_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
                         help="stop a budget after N evaluations without improvement")  # fmt: skip
     parser.add_argument("--time-budget", type=positive_float, help="seconds for the whole search (all budgets)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus", choices=CORPORA, default="spec-bench",
+                        help="spec-bench: Spec-Bench questions (or --prompts); stratified: six task families from the "
+                        "shipped evaluation data (viasd_hf/corpus.py), whose held-out split the search never sees")  # fmt: skip
     parser.add_argument("--prompts", help="JSONL with a 'prompt' field, or text with one prompt per line (default: Spec-Bench)")
-    parser.add_argument("--num-prompts", type=positive_int, default=32, help="calibration prompts")
-    parser.add_argument("--num-heldout", type=non_negative_int, default=16, help="held-out prompts (disjoint) for agreement")
+    parser.add_argument("--num-prompts", type=positive_int,
+                        help=f"calibration prompts (default 32; per family with --corpus stratified: "
+                        f"{DEFAULT_SIZES['calibration']})")  # fmt: skip
+    parser.add_argument("--num-heldout", type=non_negative_int,
+                        help=f"held-out prompts (disjoint) for agreement (default 16; with --corpus stratified, "
+                        f"validation prompts per family: {DEFAULT_SIZES['validation']})")  # fmt: skip
     parser.add_argument("--window", type=positive_int, default=16, help="greedy continuation tokens scored per prompt (τ)")
+    parser.add_argument("--depths", type=non_negative_ints,
+                        help="window starts, in tokens into the target's continuation (default 0; with --corpus "
+                        f"stratified: {','.join(map(str, DEFAULT_DEPTHS))})")  # fmt: skip
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=384)
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="the deployment dtype (costs are measured in it)")  # fmt: skip
@@ -84,12 +98,31 @@ def search_command_line(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
+def _resolve_corpus_defaults(args: argparse.Namespace) -> None:
+    """Sizes and depths left unset take the chosen corpus's defaults (per family for the stratified one)."""
+    stratified = args.corpus == "stratified"
+    if args.num_prompts is None:
+        args.num_prompts = DEFAULT_SIZES["calibration"] if stratified else 32
+    if args.num_heldout is None:
+        args.num_heldout = DEFAULT_SIZES["validation"] if stratified else 16
+    if args.depths is None:
+        args.depths = list(DEFAULT_DEPTHS) if stratified else [0]
+
+
 def _check_search_args(args: argparse.Namespace) -> None:
     """What can be checked before the models load (minutes): models, the output folder, the prompts and their number."""
     check_model(args.target, "--target")
     if args.drafter not in (None, "self"):
         check_model(args.drafter, "--drafter")
     check_output_dir(args.out, "--out")
+    if args.corpus == "stratified":
+        if args.prompts:
+            raise UsageError("--prompts and --corpus stratified: choose one source of prompts")
+        try:
+            stratified_corpus(args.num_heldout, args.num_prompts, DEFAULT_SEED)
+        except ValueError as error:
+            raise UsageError(f"--corpus stratified: {first_line(error)}") from None
+        return
     source = f"--prompts {args.prompts}" if args.prompts else "the default Spec-Bench prompts"
     try:
         pool = read_prompts(check_input_file(args.prompts, "--prompts")) if args.prompts else spec_bench_prompts()
@@ -112,13 +145,18 @@ def run_search_command(args: argparse.Namespace) -> int:
     """Check the arguments, load the models, build the calibration, search, and print a one-line summary."""
     drafted = args.drafter not in (None, "self")  # `--drafter self` is the default: the target drafts for itself
     args.out = args.out or str(Path("masks") / _slug(args.target) / (_slug(args.drafter) if drafted else MODEL_FREE))
+    _resolve_corpus_defaults(args)
     _check_search_args(args)
     target, tokenizer = load_model(args.target, args.dtype, "--target")
     drafter = load_model(args.drafter, args.dtype, "--drafter")[0] if drafted else None
-    calibration = build_calibration(
-        target, tokenizer, prompts=args.prompts, num_prompts=args.num_prompts, num_heldout=args.num_heldout,
-        window=args.window, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-    )  # fmt: skip
+    if args.corpus == "stratified":  # the corpus seed is fixed, so its held-out split stays the one masks are judged on
+        corpus = stratified_corpus(args.num_heldout, args.num_prompts, DEFAULT_SEED)
+        calibration = corpus_calibration(target, tokenizer, corpus, args.window, args.depths, args.max_prompt_tokens)
+    else:
+        calibration = build_calibration(
+            target, tokenizer, prompts=args.prompts, num_prompts=args.num_prompts, num_heldout=args.num_heldout,
+            window=args.window, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, depths=args.depths,
+        )  # fmt: skip
     mask = search(
         target, drafter, calibration, skip_ratio=args.skip_ratio, objective=args.objective, iterations=args.iterations,
         bo_every=args.bo_every, patience=args.patience, time_budget=args.time_budget, seed=args.seed,

@@ -15,8 +15,9 @@ intermediate tier is worth having at all.
 Modules: ``objectives`` (scores and Δ), ``space`` (skippable layers, baseline masks),
 ``proposals`` (BO and random search), ``budget`` (the loop at one budget), ``sweep`` (several
 budgets, costs, predicted speed-up), ``mask_search`` (:func:`search`, end to end),
-``search_log`` (the JSONL log), ``report`` (a mask against the baselines). ``viasd search`` is
-``viasd_hf.cli.search``.
+``search_log`` (the JSONL log), ``report`` (a mask against the baselines), ``heldout`` (shipped
+masks per task family on the stratified corpus's held-out split; ``python -m
+viasd_hf.dimr.heldout``). ``viasd search`` is ``viasd_hf.cli.search``.
 """
 
 from .budget import BudgetResult, search_budget

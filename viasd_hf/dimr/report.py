@@ -1,4 +1,8 @@
-"""A searched mask next to the baselines at the same budget: random masks and early exit, as numbers and a table."""
+"""A mask next to the baselines at the same budget, random masks and early exit, as numbers and tables.
+
+``compare_with_baselines`` scores one mask on one set of windows; ``versus_baselines`` and the
+tables below present the per-family held-out comparison of ``dimr.heldout``.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from torch import nn
 
 from ..calibration import TeacherForcedReference, Window
 from ..masks import RoutingMask
-from .objectives import as_reference, score_mask
+from .objectives import MaskScore, as_reference, score_mask
 from .space import early_exit_mask, random_masks
 
 
@@ -58,3 +62,112 @@ def baseline_table(comparison: Mapping[str, Any]) -> str:
         f"| early exit | {early['skipped']} | {early['kl']:.3f} | {early['top1']:.3f} | {early['via']:.3f} |",
     ]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- per task family, held out
+
+METRICS = {"kl": "KL(q‖q′)", "top1": "top-1 agreement", "via": "VIA cost"}
+_LOWER_IS_BETTER = {"kl": True, "top1": False, "via": True}
+
+
+def _better(a: float, b: float, metric: str) -> bool:
+    return a < b if _LOWER_IS_BETTER[metric] else a > b
+
+
+def versus_baselines(mask: MaskScore, randoms: Sequence[MaskScore], early: MaskScore) -> dict[str, Any]:
+    """A mask's score beside the random masks' median and range and early exit, and how many random masks it beats."""
+    random = {}
+    for metric in METRICS:
+        values = [getattr(r, metric) for r in randoms]
+        random[metric] = {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+    return {
+        "positions": mask.positions,
+        "mask": asdict(mask),
+        "random": random,
+        "early_exit": asdict(early),
+        "beats_random_median": {m: _better(getattr(mask, m), random[m]["median"], m) for m in METRICS},
+        "random_beaten": {m: sum(_better(getattr(mask, m), v, m) for v in random[m]["values"]) for m in METRICS},
+    }
+
+
+def family_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
+    """One row per family (and ``all``): each metric for the mask, the random median (range) and early exit."""
+    header = ["family", "positions"]
+    for name in METRICS.values():
+        header += [f"{name}: mask", "random median (min–max)", "early exit"]
+    header.append("random masks beaten (KL / top-1 / VIA)")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for family, row in rows.items():
+        cells = [f"**{family}**" if family == "all" else family, str(row["positions"])]
+        for metric in METRICS:
+            mark = "" if row["beats_random_median"][metric] else " ✗"
+            spread = row["random"][metric]
+            cells += [f"{row['mask'][metric]:.3f}{mark}", f"{spread['median']:.3f} ({spread['min']:.3f}–{spread['max']:.3f})",
+                      f"{row['early_exit'][metric]:.3f}"]  # fmt: skip
+        beaten = row["random_beaten"]
+        cells.append(" / ".join(f"{beaten[m]}/{len(row['random'][m]['values'])}" for m in METRICS))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict(entry: Mapping[str, Any]) -> str:
+    """One sentence per mask: the families where it beats the random median on held-out KL, and where it does not."""
+    families = {f: row for f, row in entry["families"].items() if f != "all"}
+    losing = [f for f, row in families.items() if not row["beats_random_median"]["kl"]]
+    head = f"`{entry['folder']}` (skips {entry['skipped']}): beats the random median on held-out KL in " \
+           f"{len(families) - len(losing)} of {len(families)} families"  # fmt: skip
+    if not losing:
+        return head + "."
+    details = ", ".join(
+        f"{f} ({families[f]['mask']['kl']:.3f} vs {families[f]['random']['kl']['median']:.3f})" for f in losing
+    )
+    return f"{head}; **not in {details}**."
+
+
+def heldout_markdown(result: Mapping[str, Any]) -> str:
+    """``heldout_comparison.md`` from a ``dimr.heldout.heldout_comparison`` result (with ``target`` and ``command``)."""
+    settings, heldout = result["settings"], result["heldout"]
+    depths = ", ".join(map(str, settings["depths"]))
+    lines = [
+        f"# Held-out comparison by task family: {result['target']} ({settings['dtype']})",
+        "",
+        f"Reproduce: `{result['command']}`",
+        "",
+    ]
+    if result.get("weights"):
+        lines += [f"Weights: the built-in `{result['target']}` ({result['weights']}), dequantised on conversion "
+                  "(`viasd_hf/models.py`); the figures and the masks apply to those weights.", ""]  # fmt: skip
+    lines += [
+        f"Held-out prompts: the {settings['corpus']} (`viasd_hf/corpus.py`): per family its first "
+        f"{settings['heldout_per_family']} held-out prompts, less every prompt whose content matches one that a "
+        "mask's search calibrated or selected on (the ids in the masks' metadata). Windows: τ = "
+        f"{settings['window']} tokens starting {depths} tokens into the target's own greedy continuation, scored "
+        f"from the full model's prefix cache; prompts cut at {settings['max_prompt_tokens']} tokens. Baselines at "
+        f"each mask's budget: the median and range of {settings['random_masks']} distinct random masks (seed "
+        f"{settings['random_seed']}; protected layers never skipped), and early exit. KL and VIA cost (α = "
+        f"{settings['alpha1']}, {settings['alpha2']}): lower is better; top-1: higher. ✗ marks a mask value "
+        "that does not beat the random median; `all` pools the families by positions.",
+        "",
+        "## Verdict",
+        "",
+        *(f"- {verdict(entry)}" for entry in result["masks"]),
+        "",
+        "## Held-out windows",
+        "",
+        "| family | prompts | windows | positions | dropped: used by a shipped mask's search |",
+        "|---|---|---|---|---|",
+        *(f"| {family} | {len(h['prompts'])} | {h['windows']} | {h['positions']} | "
+          f"{', '.join(h['dropped_as_used_in_search']) or '—'} |" for family, h in heldout.items()),  # fmt: skip
+    ]
+    for entry in result["masks"]:
+        k, layers = entry["k"], entry["num_layers"]
+        lines += [
+            "",
+            f"## `{entry['folder']}` (drafter: {entry['drafter']}; skips {entry['skipped']}, {k}/{layers} layers)",
+            "",
+            f"Random masks: {', '.join(map(str, entry['families']['all']['random_skipped']))}; early exit: "
+            f"{entry['families']['all']['early_exit_skipped']}.",
+            "",
+            family_table(entry["families"]),
+        ]
+    return "\n".join(lines) + "\n"
