@@ -92,6 +92,10 @@ def test_bench_checks_its_arguments_before_loading_models(no_models, files, tmp_
         ([*prompts, "--temperature", "0"], "argument --temperature: expected a number > 0, got 0"),
         ([*prompts, "--draft-threshold", "1.5"], "argument --draft-threshold: expected a number from 0 to 1, got 1.5"),
         ([*prompts, "--dtype", "bf16"], "argument --dtype: invalid choice: 'bf16'"),
+        ([*prompts, "--quantize", "target=int3"], "argument --quantize: unknown scheme 'int3' for the target; choose from"),
+        ([*prompts, "--quantize", "draftr=4bit"], "argument --quantize: expected drafter=SCHEME,target=SCHEME, got"),
+        ([*prompts, "--quantize", "target=4bit,target=int8"], "argument --quantize: the target is named twice"),
+        ([*prompts, "--methods", "greedy,hf_assisted_bf16"], "--methods: hf_assisted_bf16 compares with a quantised pair"),
         ([*prompts, "--json", str(files["a-file"] / "out.json")], f"--json {files['a-file'] / 'out.json'}: "
                                                                   f"{files['a-file']} is a file"),
         ([*prompts, "--json", str(tmp_path)], f"--json {tmp_path}: is a folder; give a file name"),

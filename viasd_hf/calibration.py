@@ -33,7 +33,7 @@ from .architectures import config_fingerprint, model_config
 from .bench.tasks import data_dir
 from .cache import crop_to, new_cache
 from .masks import RoutingMask
-from .models import viasd_home
+from .zoo import viasd_home
 from .routing import routed
 
 SPEC_BENCH_ENV = "VIASD_SPEC_BENCH"

@@ -27,6 +27,8 @@ METHODS = (
     "greedy", "hf_assisted", "hf_prompt_lookup", "self_spec", "cascade", "two_tier", "viasd", "viasd_lossless",
     "two_tier_hybrid", "viasd_hybrid", "viasd_lossless_hybrid",
 )
+# HF assisted generation as users run it today, on the unquantised bf16 pair, next to methods on quantised models
+UNQUANTIZED_REFERENCE = "hf_assisted_bf16"
 HYBRID_SUFFIX = "_hybrid"  # the same method, drafting by prompt lookup where the context repeats itself
 
 
@@ -146,11 +148,14 @@ class MethodTable:
     mask: RoutingMask
     self_draft_mask: RoutingMask | None
     settings: MethodSettings = field(default_factory=MethodSettings)
+    unquantized: tuple[nn.Module, nn.Module] | None = None  # (target, drafter) in bf16, for UNQUANTIZED_REFERENCE
 
     def build(self, names: list[str]) -> dict[str, Method]:
-        unknown = [name for name in names if name not in METHODS]
+        unknown = [name for name in names if name not in (*METHODS, UNQUANTIZED_REFERENCE)]
         if unknown:
-            raise ValueError(f"unknown bench methods {unknown}; choose from {', '.join(METHODS)}")
+            raise ValueError(f"unknown bench methods {unknown}; choose from {', '.join(METHODS)}, {UNQUANTIZED_REFERENCE}")
+        if UNQUANTIZED_REFERENCE in names and self.unquantized is None:
+            raise ValueError(f"{UNQUANTIZED_REFERENCE} needs the unquantised pair (MethodTable.unquantized)")
         if names[0] != "greedy":
             raise ValueError("the first method must be 'greedy': every speed-up and agreement is measured against it")
         if "self_spec" in names and self.self_draft_mask is None:
@@ -165,7 +170,7 @@ class MethodTable:
         if name.endswith(HYBRID_SUFFIX):
             config, drafter = self._viasd_setup(name.removesuffix(HYBRID_SUFFIX))
             return _viasd_method(self.target, config, drafter, prompt_lookup_num_tokens=self.settings.prompt_lookup_tokens)
-        if name in ("greedy", "hf_assisted", "hf_prompt_lookup"):
+        if name in ("greedy", "hf_assisted", "hf_prompt_lookup", UNQUANTIZED_REFERENCE):
             return self._hf_baseline(name)
         return _viasd_method(self.target, *self._viasd_setup(name))
 
@@ -175,6 +180,9 @@ class MethodTable:
             return _hf_method(target, drafts=False)
         if name == "hf_assisted":
             return _hf_method(target, drafts=True, assistant_model=drafter)
+        if name == UNQUANTIZED_REFERENCE:
+            reference_target, reference_drafter = self.unquantized
+            return _hf_method(reference_target, drafts=True, assistant_model=reference_drafter)
         return _hf_method(target, drafts=True, prompt_lookup_num_tokens=self.settings.prompt_lookup_tokens)
 
     def _viasd_setup(self, name: str) -> tuple[ViaSDConfig, nn.Module | None]:

@@ -21,7 +21,8 @@ from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from .. import models
+from .. import models, zoo
+from ..quantization import QuantizationUnavailableError, scheme_names
 
 # The dtypes ``viasd_hf.models.load_pretrained`` accepts by name (tests/test_cli.py keeps them in step).
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -86,6 +87,22 @@ skip_fraction = _number(float, "skip_fraction", lambda v: 0 < v < 1, "a fraction
 skip_fractions = _listed(skip_fraction, "fractions between 0 and 1")
 positive_ints = _listed(positive_int, "whole numbers >= 1")
 non_negative_ints = _listed(non_negative_int, "whole numbers >= 0")
+QUANTIZED_ROLES = ("drafter", "target")
+
+
+def quantize_spec(text: str) -> dict[str, str]:
+    """``drafter=SCHEME,target=SCHEME`` (either may be left out) as ``{role: scheme}``."""
+    spec: dict[str, str] = {}
+    for part in text.split(","):
+        role, _, scheme = (piece.strip() for piece in part.partition("="))
+        if role not in QUANTIZED_ROLES or not scheme:
+            raise argparse.ArgumentTypeError(f"expected drafter=SCHEME,target=SCHEME, got {text!r}")
+        if scheme not in scheme_names():
+            raise argparse.ArgumentTypeError(f"unknown scheme {scheme!r} for the {role}; choose from {', '.join(scheme_names())}")
+        if role in spec:
+            raise argparse.ArgumentTypeError(f"the {role} is named twice in {text!r}")
+        spec[role] = scheme
+    return spec
 
 
 # --------------------------------------------------------------------------- models, files, the Hub
@@ -93,7 +110,7 @@ non_negative_ints = _listed(non_negative_int, "whole numbers >= 0")
 
 def check_model(name: str, flag: str) -> None:
     """A zoo name, a local model folder or a Hub id (cached, when offline); else ``UsageError``."""
-    if name in models.ZOO:
+    if name in zoo.ZOO:
         return
     path = Path(name).expanduser()
     if path.is_dir():
@@ -102,19 +119,19 @@ def check_model(name: str, flag: str) -> None:
         return
     if path.exists():
         raise UsageError(f"{flag} {name}: is a file; pass a zoo name, a model folder or a Hub id")
-    zoo = ", ".join(models.ZOO)
-    close = difflib.get_close_matches(name.lower(), list(models.ZOO), n=1, cutoff=0.75)
+    known = ", ".join(zoo.ZOO)
+    close = difflib.get_close_matches(name.lower(), list(zoo.ZOO), n=1, cutoff=0.75)
     if close and "/" not in name:
-        raise UsageError(f"{flag} {name}: unknown model; did you mean the zoo model {close[0]}? (zoo: {zoo})")
+        raise UsageError(f"{flag} {name}: unknown model; did you mean the zoo model {close[0]}? (zoo: {known})")
     if name.startswith((".", "/", "~")):
         raise UsageError(f"{flag} {name}: no such folder")
     try:
         validate_repo_id(name)
     except HFValidationError:
-        raise UsageError(f"{flag} {name}: not a zoo name ({zoo}), a model folder or a Hub id") from None
+        raise UsageError(f"{flag} {name}: not a zoo name ({known}), a model folder or a Hub id") from None
     if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(name, "config.json"), str):
         raise UsageError(
-            f"{flag} {name}: not a zoo name ({zoo}) or a model folder, and not in the Hugging Face cache "
+            f"{flag} {name}: not a zoo name ({known}) or a model folder, and not in the Hugging Face cache "
             "(HF_HUB_OFFLINE is set, so the Hub is not asked)"
         )
 
@@ -173,9 +190,16 @@ def check_repo_id(repo_id: str | None, flag: str = "--repo-id") -> None:
         raise UsageError(f"{flag} {repo_id}: not a Hub repo id ({first_line(error)})") from None
 
 
-def load_model(name: str, dtype: str, flag: str):
-    """``load_pretrained``, with a model that cannot be loaded reported as one line."""
+def load_model(name: str, dtype: str, flag: str, quantization: str | None = None):
+    """``load_pretrained``, with a model that cannot be loaded reported as one line.
+
+    A quantised model keeps its scheme's own dtype (the activations its kernels take), not ``dtype``.
+    """
     try:
+        if quantization is not None:
+            return models.load_pretrained(name, quantization=quantization)
         return models.load_pretrained(name, dtype=dtype)
-    except (OSError, ValueError, models.ZooError) as error:
+    except QuantizationUnavailableError as error:
+        raise CommandError(f"{flag} {name}: {first_line(error)}") from error
+    except (OSError, ValueError, zoo.ZooError) as error:
         raise CommandError(f"{flag} {name}: could not load the model: {first_line(error)}") from error

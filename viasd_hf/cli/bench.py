@@ -12,12 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..bench.methods import METHODS, MethodSettings, MethodTable
+from ..bench.methods import METHODS, UNQUANTIZED_REFERENCE, MethodSettings, MethodTable
 from ..bench.report import environment, markdown, per_task_markdown, plots, time_markdown
 from ..bench.tasks import DATASETS, Example, load_examples, load_jsonl
 from ..masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
+from ..quantization import QuantizationChoice, QuantizationUnavailableError, resolve_quantization
 from .args import (
     DTYPES,
+    CommandError,
     UsageError,
     check_model,
     check_output_dir,
@@ -27,11 +29,12 @@ from .args import (
     positive_float,
     positive_int,
     probability,
+    quantize_spec,
 )
 
 DRAFTER_METHODS = frozenset({
     "hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless", "two_tier_hybrid", "viasd_hybrid",
-    "viasd_lossless_hybrid",
+    "viasd_lossless_hybrid", UNQUANTIZED_REFERENCE,
 })
 MASK_METHODS = frozenset({"viasd", "viasd_lossless", "viasd_hybrid", "viasd_lossless_hybrid"})  # need a mask for the pair
 
@@ -56,6 +59,10 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument("--temperature", type=positive_float,
                         help="sample at this temperature (every method, seeded alike)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--quantize", type=quantize_spec, default={}, metavar="drafter=SCHEME,target=SCHEME",
+                        help="load the drafter and/or target quantised for every method (a scheme of "
+                        "viasd_hf.quantization, int8, 4bit or auto); add the method "
+                        f"{UNQUANTIZED_REFERENCE} to compare with HF assisted generation on the bf16 pair")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     parser.add_argument("--mask", help="VIA-SD routing mask (folder / JSON / Hub id; default: the mask known for the pair)")
     parser.add_argument("--self-draft-mask", help="self_spec's drafting mask (default: the target's known self mask)")
@@ -73,6 +80,24 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 def _weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def _quantization(args: argparse.Namespace) -> dict[str, QuantizationChoice]:
+    """What ``--quantize`` means for each role on this machine (``auto`` measures once, then reads its cache)."""
+    try:
+        return {role: resolve_quantization(getattr(args, role), scheme) for role, scheme in args.quantize.items()}
+    except QuantizationUnavailableError as error:
+        raise CommandError(f"--quantize: {first_line(error)}") from None
+
+
+def _load_role(args: argparse.Namespace, role: str, quantized: dict[str, QuantizationChoice]):
+    """The target or drafter: in its chosen scheme, in bf16 when ``auto`` found no scheme worth it, else ``--dtype``."""
+    choice = quantized.get(role)
+    if choice is None:
+        return load_model(getattr(args, role), args.dtype, f"--{role}")
+    if not choice.quantized:
+        return load_model(getattr(args, role), "bfloat16", f"--{role}")
+    return load_model(getattr(args, role), args.dtype, f"--{role}", choice.scheme.name)
 
 
 def _known_mask(target_name: str, drafters: tuple[str, ...]) -> RoutingMask | None:
@@ -108,9 +133,10 @@ def _examples(args: argparse.Namespace) -> list[Example]:
 
 def _method_names(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",")]
-    unknown = [name for name in names if name not in METHODS]
+    unknown = [name for name in names if name not in (*METHODS, UNQUANTIZED_REFERENCE)]
     if unknown:
-        raise UsageError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
+        raise UsageError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(METHODS)}, {UNQUANTIZED_REFERENCE}")
     if names[0] != "greedy":
         raise UsageError("--methods: the first method must be greedy: every speed-up and agreement is measured against it")
     if len(set(names)) != len(names):
@@ -121,6 +147,9 @@ def _method_names(text: str) -> list[str]:
 def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example], RoutingMask | None, RoutingMask | None]:
     """Everything that can be checked before the models load (minutes): methods, models, outputs, prompts, masks."""
     names = _method_names(args.methods)
+    if UNQUANTIZED_REFERENCE in names and not args.quantize:
+        raise UsageError(f"--methods: {UNQUANTIZED_REFERENCE} compares with a quantised pair: add --quantize, "
+                         "or use hf_assisted")
     check_model(args.target, "--target")
     check_model(args.drafter, "--drafter")
     if args.json:
@@ -155,8 +184,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     names, examples, mask, self_mask = check_bench_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, tokenizer = load_model(args.target, args.dtype, "--target")
-    drafter, _ = load_model(args.drafter, args.dtype, "--drafter")
+    quantized = _quantization(args)
+    target, tokenizer = _load_role(args, "target", quantized)
+    drafter, _ = _load_role(args, "drafter", quantized)
+    unquantized = None
+    if UNQUANTIZED_REFERENCE in names:
+        unquantized = (load_model(args.target, "bfloat16", "--target")[0], load_model(args.drafter, "bfloat16", "--drafter")[0])
     for flag, known in (("--mask", mask), ("--self-draft-mask", self_mask)):
         try:
             if known is not None:
@@ -164,13 +197,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
         except RoutingMaskError as error:
             raise UsageError(f"{flag}: {first_line(error)}") from None
     settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens)
-    methods = MethodTable(target, drafter, mask, self_mask, settings).build(names)
+    methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized).build(names)
     runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature)
     weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if name in DRAFTER_METHODS else 0) for name in names}
+    if unquantized:
+        weights[UNQUANTIZED_REFERENCE] = sum(map(_weight_bytes, unquantized))
     summary = summarise(runs, examples, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), weights)
     env = environment(machine_bandwidth_gb_s())
     if args.json:  # first, so that nothing printed below can lose the run
-        report = _report(args, summary, env, examples, mask, self_mask, runs, tokenizer)
+        report = _report(args, summary, env, examples, mask, self_mask, runs, tokenizer, quantized)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(summary))
@@ -179,6 +214,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     print(per_task_markdown(summary))
     print("\nWhere the time goes (our decoders, from their own timers):")
     print(time_markdown(summary))
+    for role, choice in quantized.items():
+        print(f"{role} quantised: {choice.scheme.name} ({choice.reason})")
     print(f"\n{env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {args.dtype} · "
           f"machine copy bandwidth {env['machine_bandwidth_gb_s']:.1f} GB/s · {env['date']}")
     if args.json:
@@ -190,7 +227,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, summary: dict, env: dict, examples: list[Example], mask: RoutingMask | None,
-            self_mask: RoutingMask | None, runs: dict, tokenizer: Any) -> dict[str, Any]:
+            self_mask: RoutingMask | None, runs: dict, tokenizer: Any,
+            quantized: dict[str, QuantizationChoice]) -> dict[str, Any]:
     """Everything needed to check or redo the run: command, environment, masks, figures and every output."""
     options = {key: value for key, value in vars(args).items() if key not in ("handler", "command")}
     return {
@@ -198,6 +236,8 @@ def _report(args: argparse.Namespace, summary: dict, env: dict, examples: list[E
         "options": options,
         "environment": env,
         "tasks": {task: sum(e.task == task for e in examples) for task in dict.fromkeys(e.task for e in examples)},
+        "quantization": {role: {"requested": choice.requested, "scheme": choice.scheme.name, "reason": choice.reason}
+                         for role, choice in quantized.items()},
         "masks": {"routing_mask": mask.to_dict() if mask else None,
                   "self_draft_mask": self_mask.to_dict() if self_mask else None},
         "methods": summary,

@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 from ..calibration import Prompt, TeacherForcedReference, Window, build_windows
 from ..corpus import DEFAULT_DEPTHS, DEFAULT_SEED, HELDOUT_PER_FAMILY, Corpus, content_keys, stratified_corpus
 from ..masks import RoutingMask
-from ..models import ZOO, load_pretrained
+from ..models import load_pretrained
+from ..zoo import ZOO
 from .objectives import MaskScore, score_mask
 from .report import heldout_markdown, versus_baselines
 from .search_log import to_json_safe

@@ -136,7 +136,7 @@ def heldout_markdown(result: Mapping[str, Any]) -> str:
     ]
     if result.get("weights"):
         lines += [f"Weights: the built-in `{result['target']}` ({result['weights']}), dequantised on conversion "
-                  "(`viasd_hf/models.py`); the figures and the masks apply to those weights.", ""]  # fmt: skip
+                  "(`viasd_hf/zoo.py`); the figures and the masks apply to those weights.", ""]  # fmt: skip
     lines += [
         f"Held-out prompts: the {settings['corpus']} (`viasd_hf/corpus.py`): per family its first "
         f"{settings['heldout_per_family']} held-out prompts, less every prompt whose content matches one that a "

@@ -1,0 +1,26 @@
+"""Quantised tiers on CPU, loaded the way transformers users already do it (``quantization_config=``).
+
+:mod:`.schemes` names the formats, :mod:`.measure` times them next to bf16 and checks their
+agreement with the float32 model, and :mod:`.choice` decides what ``auto`` means on this machine
+(and caches why). ``python -m viasd_hf.quantization --model NAME`` prints the comparison table.
+"""
+
+from .choice import Acceptance, QuantizationChoice, cached_measure, choose, markdown_table, resolve_quantization
+from .measure import Measurement, MeasureOptions, measure
+from .schemes import (
+    ALIASES,
+    AUTO,
+    BASELINE,
+    SCHEMES,
+    QuantizationError,
+    QuantizationUnavailableError,
+    Scheme,
+    get_scheme,
+    scheme_names,
+)
+
+__all__ = [
+    "ALIASES", "AUTO", "BASELINE", "SCHEMES", "Acceptance", "Measurement", "MeasureOptions", "QuantizationChoice",
+    "QuantizationError", "QuantizationUnavailableError", "Scheme", "cached_measure", "choose", "get_scheme",
+    "markdown_table", "measure", "resolve_quantization", "scheme_names",
+]  # fmt: skip

@@ -1,0 +1,40 @@
+"""``python -m viasd_hf.quantization --model NAME``: measure the schemes on this machine and print the table."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+
+from .choice import cache_key, cache_path, cached_measure, choose, cpu_identity, library_version, markdown_table
+from .measure import MeasureOptions
+from .schemes import SCHEMES
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Measure the schemes on one model and print the table and the ``auto`` choice."""
+    parser = argparse.ArgumentParser(prog="python -m viasd_hf.quantization", description=main.__doc__)
+    parser.add_argument("--model", required=True, help="zoo name, local folder or Hub id")
+    parser.add_argument("--schemes", nargs="+", default=None, choices=list(SCHEMES),
+                        help="schemes to measure (default: all whose library is installed)")
+    parser.add_argument("--repeats", type=int, default=MeasureOptions.repeats)
+    parser.add_argument("--context", type=int, default=MeasureOptions.context)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    args = parser.parse_args(argv)
+    schemes = args.schemes or [name for name, s in SCHEMES.items() if s.available]
+    options = MeasureOptions(context=args.context, repeats=args.repeats, threads=args.threads)
+    measurements = cached_measure(args.model, schemes, options, refresh=args.refresh)
+    cpu = cpu_identity()
+    machine = f"{cpu['model']} ({cpu['id']}, {args.threads} threads, {', '.join(cpu['flags'])})"
+    versions = ", ".join(f"{p} {library_version(p)}" for p in ("torch", "bitsandbytes", "torchao"))
+    print(f"{args.model} on {machine}; {versions}\n")
+    print(markdown_table(measurements))
+    name, reason = choose(measurements)
+    print(f"\nauto → {name}: {reason}")
+    print(f"cached in {cache_path(cache_key(args.model, schemes, options))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Which scheme ``quantization=`` means on this machine: ``auto`` measures instead of guessing.
+
+Which kernel wins depends on the CPU's instruction set and the library versions, so ``auto``
+measures every available scheme (:mod:`.measure`) and picks the fastest that :class:`Acceptance`
+allows, else bf16. The measurements are cached as JSON under ``$VIASD_HOME/quantization``, keyed
+by the model, the CPU, the thread count, the library versions and the measuring parameters, so a
+second ``auto`` is instant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..zoo import ZOO, viasd_home, zoo_revision
+from .measure import Measurement, MeasureOptions, measure
+from .schemes import ALIASES, AUTO, BASELINE, SCHEMES, Scheme, get_scheme
+
+CACHE_FORMAT = 2
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """When ``auto`` may pick a quantised scheme over bf16.
+
+    Its next-token argmax may differ from the unquantised model's at no more than one position in
+    ten, its mean KL stays below 0.1 nat, it must be at least 10 % faster than bf16 (a smaller gain
+    is within the run-to-run noise of a busy machine and not worth the agreement it costs), and it
+    must be batch-invariant (:attr:`Scheme.batch_invariant`), so lossless VIA-SD stays lossless.
+    """
+
+    min_top1: float = 0.90
+    max_kl: float = 0.10
+    min_speedup: float = 1.10
+    require_batch_invariant: bool = True
+
+    def rejects(self, m: Measurement) -> str | None:
+        """Why ``auto`` may not pick ``m`` (every reason), or None."""
+        if m.error:
+            return m.error
+        reasons = []
+        if self.require_batch_invariant and not SCHEMES[m.scheme].batch_invariant:
+            reasons.append("not batch-invariant")
+        if m.top1 < self.min_top1:
+            reasons.append(f"top-1 agreement {m.top1:.3f} < {self.min_top1}")
+        if m.kl > self.max_kl:
+            reasons.append(f"KL {m.kl:.3f} > {self.max_kl}")
+        if m.cost * self.min_speedup > 1:
+            reasons.append(f"{1 / m.cost:.2f}× the speed of bf16 < {self.min_speedup}×")
+        return ", ".join(reasons) or None
+
+
+@dataclass(frozen=True)
+class QuantizationChoice:
+    """The scheme a request resolved to, and why (with the measurements behind an ``auto`` choice)."""
+
+    requested: str
+    scheme: Scheme
+    reason: str
+    measurements: tuple[Measurement, ...] = ()
+
+    @property
+    def quantized(self) -> bool:
+        return self.scheme is not BASELINE
+
+
+def choose(measurements: Sequence[Measurement], acceptance: Acceptance = Acceptance()) -> tuple[str, str]:
+    """``(scheme name, reason)``: the fastest scheme ``acceptance`` allows, else bf16."""
+    verdicts = {m.scheme: acceptance.rejects(m) for m in measurements if m.scheme != BASELINE.name}
+    allowed = [m for m in measurements if m.scheme in verdicts and verdicts[m.scheme] is None]
+    rejected = "; ".join(f"{name}: {why}" for name, why in verdicts.items() if why)
+    if not allowed:
+        return BASELINE.name, f"no quantised scheme qualifies ({rejected})"
+    best = min(allowed, key=lambda m: m.cost)
+    reason = f"the fastest that qualifies, {1 / best.cost:.2f}× the speed of bf16"
+    return best.scheme, reason + (f" (not: {rejected})" if rejected else "")
+
+
+def cpu_identity() -> dict[str, Any]:
+    """The CPU model and the instruction-set extensions quantised kernels dispatch on."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(info.get("flags", info.get("Features", "")).split())
+    model = info.get("model name") or platform.processor() or platform.machine()
+    ids = [info.get(k) for k in ("cpu family", "model", "stepping")]
+    return {"model": model, "id": "/".join(i for i in ids if i), "flags": sorted(flags.intersection(_CPU_FLAGS)),
+            "cpus": os.cpu_count()}  # fmt: skip
+
+
+def library_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _model_identity(name_or_path: str) -> str:
+    if name_or_path in ZOO and not Path(name_or_path).is_dir():
+        return f"{name_or_path}@{zoo_revision(name_or_path)}"
+    path = Path(name_or_path)
+    if path.is_dir():
+        weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.glob("*.safetensors"))
+        return f"{path.resolve()}:{hashlib.sha256(repr(weights).encode()).hexdigest()[:12]}"
+    return name_or_path
+
+
+def cache_key(name_or_path: str, schemes: Sequence[str], options: MeasureOptions) -> dict[str, Any]:
+    return {
+        "format": CACHE_FORMAT,
+        "model": _model_identity(name_or_path),
+        "schemes": list(schemes),
+        "cpu": cpu_identity(),
+        "versions": {p: library_version(p) for p in ("torch", "transformers", "bitsandbytes", "torchao")},
+        "options": asdict(options),
+    }
+
+
+def cache_path(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    stem = "".join(c if c.isalnum() or c in "-._" else "_" for c in Path(key["model"]).name)
+    return viasd_home() / "quantization" / f"{stem}-{digest}.json"
+
+
+def cached_measure(
+    name_or_path: str,
+    schemes: Sequence[str] | None = None,
+    options: MeasureOptions | None = None,
+    refresh: bool = False,
+    progress: bool = True,
+    **measure_kwargs: Any,
+) -> list[Measurement]:
+    """:func:`measure`, read from ``$VIASD_HOME/quantization`` when this machine measured it before."""
+    options = options or MeasureOptions()
+    names = list(schemes if schemes is not None else SCHEMES)
+    key = cache_key(name_or_path, names, options)
+    path = cache_path(key)
+    if path.is_file() and not refresh:
+        try:
+            return [Measurement(**m) for m in json.loads(path.read_text())["measurements"]]
+        except (ValueError, TypeError, KeyError):
+            pass  # unreadable (e.g. edited by hand): measure again and overwrite it
+    measurements = measure(name_or_path, names, options, progress=progress, **measure_kwargs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "measurements": [asdict(m) for m in measurements]}  # fmt: skip
+    partial = path.with_suffix(f".partial-{os.getpid()}")
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(partial, path)
+    return measurements
+
+
+def resolve_quantization(
+    name_or_path: str,
+    scheme: str,
+    acceptance: Acceptance = Acceptance(),
+    **measure_kwargs: Any,
+) -> QuantizationChoice:
+    """The scheme ``quantization=scheme`` means for this model; ``auto`` measures (or reads the cache).
+
+    ``measure_kwargs`` go to :func:`cached_measure` (``options``, ``refresh``, ``progress``, ...).
+    """
+    if scheme != AUTO:
+        chosen = get_scheme(scheme)
+        chosen.require()
+        alias = f"alias {scheme!r}, the best {chosen.bits}-bit scheme measured on CPU: " if scheme in ALIASES else ""
+        return QuantizationChoice(scheme, chosen, f"{alias}{chosen.name} ({chosen.summary})")
+    available = [name for name, s in SCHEMES.items() if s.available]
+    measurements = cached_measure(name_or_path, available, **measure_kwargs)
+    name, reason = choose(measurements, acceptance)
+    return QuantizationChoice(AUTO, SCHEMES.get(name, BASELINE), reason, tuple(measurements))
+
+
+def markdown_table(measurements: Sequence[Measurement], acceptance: Acceptance = Acceptance()) -> str:
+    """Per scheme: ms per decode and verify pass, ratios to bf16, agreement, and whether ``auto`` may pick it."""
+    rows = ["| scheme | decode ms | × bf16 | verify ms | × bf16 | top-1 | KL | auto may pick |",
+            "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for m in measurements:
+        if m.error:
+            rows.append(f"| {m.scheme} | — | — | — | — | — | — | no: {m.error} |")
+            continue
+        why = None if m.scheme == BASELINE.name else acceptance.rejects(m)
+        verdict = "baseline" if m.scheme == BASELINE.name else "yes" if why is None else f"no: {why}"
+        rows.append(
+            f"| {m.scheme} | {m.decode_ms:.0f} | {m.decode_ratio:.2f} | {m.verify_ms:.0f} | {m.verify_ratio:.2f} | "
+            f"{m.top1:.3f} | {m.kl:.4f} | {verdict} |"
+        )
+    return "\n".join(rows)
