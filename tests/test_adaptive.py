@@ -9,7 +9,7 @@ import torch
 
 from conftest import zoo
 from viasd_hf import RoutingMask, ViaSDConfig, decoding, enable_viasd, verifier
-from viasd_hf.adaptive import BlockCost, RepairLedger, TierController, measures_wall_clock
+from viasd_hf.adaptive import BlockCost, RepairLedger, TierController, WallClock, measures_wall_clock
 from viasd_hf.architectures import decoder_layers
 from viasd_hf.tier_memory import tier_memory
 
@@ -361,3 +361,38 @@ def test_measured_tier_switching_hands_the_choice_to_the_persisted_controller(mo
     assert generate_stats(target, mask, {"mode": mode, "tier_switching": "measured"}, do_sample=True)[1]
     assert generate_stats(target, mask, {"mode": mode}, do_sample=False)[1] == (mode == "lossless"), "auto"
 
+
+
+def drive_tiered(controller: TierController, blocks: int, draft: float, slim: float, full: float,
+                 escalation_rate: float, tokens: int = 4) -> list[bool]:
+    """Tiered blocks from their parts: drafting, the slim pass, and the full pass (two-tier blocks, escalations)."""
+    rng = random.Random(0)
+    choices = []
+    for _ in range(blocks):
+        on = controller.use_slim()
+        choices.append(on)
+        full_pass = full if not on or rng.random() < escalation_rate else 0.0
+        slim_pass = slim if on else 0.0
+        controller.observe(BlockCost(on, draft + slim_pass + full_pass, tokens, slim_pass, full_pass))
+    return choices
+
+
+def test_a_tiered_slim_tier_whose_layers_alone_cost_too_much_is_never_run():
+    """Keeping 95 % of the layers, even a block that never escalates saves too little to clear the margin."""
+    controller = TierController(slim_on=False, estimate=WallClock(kept_fraction=0.95))
+    assert not any(drive_tiered(controller, 2000, draft=0.10, slim=0.29, full=0.30, escalation_rate=0.0))
+
+
+def test_a_tiered_slim_pass_measured_too_costly_is_not_probed_again():
+    controller = TierController(slim_on=False, estimate=WallClock(kept_fraction=0.3))
+    choices = drive_tiered(controller, 2000, draft=0.10, slim=0.30, full=0.30, escalation_rate=0.0)
+    assert not controller.switches
+    assert 0 < sum(choices) <= controller.max_probe_blocks, "probed once: the prior allowed it, the measurement did not"
+
+
+def test_a_tiered_slim_tier_that_saves_is_chosen():
+    """Slim pass at half a full pass, one block in ten escalated: the slim tier pays and is switched on."""
+    controller = TierController(slim_on=False, estimate=WallClock(kept_fraction=0.5))
+    choices = drive_tiered(controller, 400, draft=0.10, slim=0.15, full=0.30, escalation_rate=0.1)
+    assert controller.switches and controller.switches[0]["slim_tier"] == "on"
+    assert sum(choices[-200:]) > 0.9 * 200
