@@ -122,6 +122,29 @@ def test_a_draft_outside_the_vocabulary_is_escalated_by_the_slim_tier(prompt_ids
         assert block.escalated == escalated and block.decided_by == ("full" if escalated else "slim")
 
 
+
+@pytest.mark.parametrize("mode", ["lossless", "tiered"])
+def test_processors_that_allow_nothing_in_the_vocabulary_leave_the_block_to_the_full_model(mode):
+    """``suppress_tokens`` rules out every vocabulary token: the assistant stops drafting and the slim tier, which has
+    no token to vouch with, hands prompt-lookup drafts to the full model, so the output is generate's in both modes."""
+    target = enable_viasd(tiny_causal_lm("llama"))
+    prompt = torch.tensor([[3, 5, 7, 9, 3, 5, 7, 9, 3, 5]])
+    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[1, 4]), mode=mode, adaptive=False,
+                         tau_accept=0.0, tau_escalate=0.0, vocabulary=vocabulary_for(target))
+    reference = target.generate(prompt, max_new_tokens=12, do_sample=False, suppress_tokens=EVEN, viasd_config=None)
+    for kwargs in ({"prompt_lookup_num_tokens": 3}, {"assistant_model": tiny_causal_lm("llama", seed=3)}):
+        out = target.generate(prompt, max_new_tokens=12, do_sample=False, suppress_tokens=EVEN, viasd_config=config,
+                              return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, reference)
+        if "assistant_model" in kwargs:
+            assert out.viasd_stats.drafted_tokens == 0
+        else:
+            assert out.viasd_stats.slim_forwards > 0 and out.viasd_stats.slim_committed_tokens == 0
+    torch.manual_seed(0)  # sampling: a slim pass with no allowed token has no distribution to sample (NaN) at all
+    sampled = target.generate(prompt, max_new_tokens=12, do_sample=True, suppress_tokens=EVEN, viasd_config=config,
+                              prompt_lookup_num_tokens=3)
+    assert all(token not in EVEN for token in sampled[0, prompt.shape[1]:].tolist())
+
 SMALL = 8
 SUBSET = [0, 1, 2, 4, 5, 7]
 
