@@ -14,11 +14,13 @@ from typing import Any
 from .checks import is_int, is_real
 from .hub_mixin import HubMixin
 from .masks import RoutingMask
+from .vocabulary.store import DraftVocabulary
 
 CONFIG_FILENAME = "viasd_config.json"
 MODES = ("tiered", "lossless")
 CONFIDENCE_SIGNALS = ("ratio", "probability")
 TIER_SWITCHING = ("auto", "measured", "fixed")
+VOCABULARY_TIERS = ("drafter", "slim")
 
 
 def _wrong_type(name: str, expected: str, value: Any) -> TypeError:
@@ -47,6 +49,14 @@ class ViaSDConfig(HubMixin):
     seeded calls are reproducible. ``"auto"``: ``"measured"`` where the choice cannot change the
     output (lossless greedy), ``"fixed"`` elsewhere. Draft lengths are planned from costs in every
     setting (``draft_planner``): measured costs under ``"measured"``, weight sizes otherwise.
+
+    ``vocabulary``: a frequency-ranked draft vocabulary (``viasd_hf.vocabulary``) over which the tiers
+    named in ``vocabulary_tiers`` (``"drafter"``, ``"slim"``) compute only those rows of the LM head.
+    ``"auto"`` uses the pair's vocabulary when one is published or shipped beside its routing mask and
+    fits the target, else the whole vocabulary; ``None`` is off; or a ``DraftVocabulary``, a folder or a
+    Hub repo id. The full model always uses its whole head, so lossless mode is unchanged; the drafter's
+    proposals are its softmax over the vocabulary (sampling stays exact), and the slim tier escalates a
+    draft outside it.
     """
 
     hub_filename = CONFIG_FILENAME
@@ -66,12 +76,18 @@ class ViaSDConfig(HubMixin):
     tier_switching: str = "auto"  # adaptive=True: "measured" (wall clock), "fixed" (reproducible) or "auto" (see above)
     max_slim_backlog: int = 16  # tokens committed on the slim tier's authority before the full model must catch up
     cascade_lenience: float | None = None  # α: the full model keeps a draft d when q(d) > (1 − α)·max q (lossy)
+    vocabulary: DraftVocabulary | str | None = "auto"  # see above: "auto", None, a DraftVocabulary, a path or repo id
+    vocabulary_tiers: tuple[str, ...] = VOCABULARY_TIERS  # the tiers that decode over the vocabulary
 
     def __post_init__(self) -> None:
         if isinstance(self.routing_mask, dict):
             self.routing_mask = RoutingMask.from_dict(self.routing_mask)
         if isinstance(self.self_draft_mask, dict):
             self.self_draft_mask = RoutingMask.from_dict(self.self_draft_mask)
+        if isinstance(self.vocabulary, dict):
+            self.vocabulary = DraftVocabulary.from_dict(self.vocabulary)
+        if isinstance(self.vocabulary_tiers, list):
+            self.vocabulary_tiers = tuple(self.vocabulary_tiers)
         self.validate()
 
     def validate(self) -> None:
@@ -109,6 +125,9 @@ class ViaSDConfig(HubMixin):
                 raise ValueError(f"cascade_lenience must lie in [0, 1), got {self.cascade_lenience}")
             if self.mode == "lossless":
                 raise ValueError("cascade_lenience makes verification lossy; use mode='tiered' or cascade_lenience=None")
+        unknown_tiers = [tier for tier in self.vocabulary_tiers if tier not in VOCABULARY_TIERS]
+        if unknown_tiers:
+            raise ValueError(f"vocabulary_tiers may name {VOCABULARY_TIERS}, got {list(self.vocabulary_tiers)}")
         if self.max_slim_backlog <= self.num_draft_tokens:
             raise ValueError(
                 f"max_slim_backlog ({self.max_slim_backlog}) must exceed num_draft_tokens ({self.num_draft_tokens}): "
@@ -132,6 +151,11 @@ class ViaSDConfig(HubMixin):
             if not isinstance(getattr(self, name), (RoutingMask, str, os.PathLike, type(None))):
                 expected = "a RoutingMask, a local path or Hub repo id (str), or None"
                 raise _wrong_type(name, expected, getattr(self, name))
+        if not isinstance(self.vocabulary, (DraftVocabulary, str, os.PathLike, type(None))):
+            expected = "a DraftVocabulary, \"auto\", a local path or Hub repo id (str), or None"
+            raise _wrong_type("vocabulary", expected, self.vocabulary)
+        if not isinstance(self.vocabulary_tiers, (tuple, list)) or not all(isinstance(t, str) for t in self.vocabulary_tiers):
+            raise _wrong_type("vocabulary_tiers", "a tuple of tier names (str)", self.vocabulary_tiers)
 
     @classmethod
     def for_call(cls, viasd_config: Any) -> ViaSDConfig:

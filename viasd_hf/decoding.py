@@ -34,6 +34,7 @@ from .state import DecodingState
 from .stats import ViaSDStats
 from .tier_memory import tier_choice
 from .verifier import TierLogits, Verifier
+from .vocabulary.head import SubsetHead
 
 
 class ViaSDDecoder:
@@ -53,6 +54,7 @@ class ViaSDDecoder:
         keep_logits: bool = False,
         check_invariants: bool = False,
         do_sample: bool = False,
+        slim_head: SubsetHead | None = None,
     ) -> None:
         self.model = model
         self.drafter = drafter
@@ -65,7 +67,7 @@ class ViaSDDecoder:
         self.check_invariants = check_invariants
         self.stats = ViaSDStats()
         self.rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of this call
-        slim = Verifier(model, slim_mask, logits_processor) if slim_mask is not None else None
+        slim = Verifier(model, slim_mask, logits_processor, slim_head) if slim_mask is not None else None
         self.tiers = Tiers(Verifier(model, None, logits_processor), slim, VerificationRules(config, self.rng))
         self.slim_policy: Policy = lossless if config.mode == "lossless" else tiered
         self.controller = None

@@ -28,6 +28,7 @@ from .routing import skipping
 from .sampling import RandomStream, sample
 from .state import ModelInputs, TargetCache
 from .tiers import forbidden
+from .vocabulary.head import SubsetHead
 
 
 KeepDrafting = Callable[[list[float]], bool]  # the confidences of the tokens drafted so far -> draft another?
@@ -51,16 +52,27 @@ class Drafter(Protocol):
 
 class _ModelDrafter:
     """Drafting with a causal LM, greedy or sampling from the processed distribution; it stops early once
-    unsure (``confidence_threshold``, as HF assisted generation). Subclasses say which model runs on which cache."""
+    unsure (``confidence_threshold``, as HF assisted generation). Subclasses say which model runs on which cache.
+
+    With ``head`` (a draft vocabulary's sliced LM head) it proposes only the vocabulary's tokens: each
+    proposal is the processed softmax over the vocabulary, zero elsewhere, and that is the distribution
+    handed to the verifiers, so rejection sampling stays exact. It stops drafting where the logits
+    processors allow no token of the vocabulary.
+    """
 
     name = "model"
 
     def __init__(
-        self, logits_processor: LogitsProcessorList, confidence_threshold: float | None, do_sample: bool = False
+        self,
+        logits_processor: LogitsProcessorList,
+        confidence_threshold: float | None,
+        do_sample: bool = False,
+        head: SubsetHead | None = None,
     ) -> None:
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
         self.do_sample = do_sample
+        self.head = head
 
     def _drafting(self) -> AbstractContextManager:
         """What holds while a draft is made (the self-drafter's routing and provisional cache writes)."""
@@ -86,6 +98,8 @@ class _ModelDrafter:
             while len(draft.tokens) < max_tokens and (keep_drafting is None or keep_drafting(confidences)):
                 scores = self.logits_processor(sequence, self._forward(feed)[-1:].float())
                 draft.forwards += 1
+                if forbidden(scores).all():
+                    break
                 probs = scores.softmax(-1)[0]
                 token = sample(probs, rng) if self.do_sample else int(scores.argmax(-1))
                 draft.tokens.append(token)
@@ -110,8 +124,9 @@ class AssistantDrafter(_ModelDrafter):
         confidence_threshold: float | None,
         do_sample: bool = False,
         inputs: ModelInputs | None = None,
+        head: SubsetHead | None = None,
     ) -> None:
-        super().__init__(logits_processor, confidence_threshold, do_sample)
+        super().__init__(logits_processor, confidence_threshold, do_sample, head)
         self.model = model
         self.inputs = inputs or ModelInputs()
         self.cache = new_cache(model.config)
@@ -121,7 +136,7 @@ class AssistantDrafter(_ModelDrafter):
         return ids[:, len(self.processed) :]
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.inputs.logits(self.model, tokens, len(self.processed), self.cache, keep=1)
+        logits = self.inputs.logits(self.model, tokens, len(self.processed), self.cache, keep=1, head=self.head)
         self.processed.extend(tokens[0].tolist())
         return logits
 
@@ -150,8 +165,9 @@ class SelfDrafter(_ModelDrafter):
         logits_processor: LogitsProcessorList,
         confidence_threshold: float | None,
         do_sample: bool = False,
+        head: SubsetHead | None = None,
     ) -> None:
-        super().__init__(logits_processor, confidence_threshold, do_sample)
+        super().__init__(logits_processor, confidence_threshold, do_sample, head)
         mask.validate_for(model)
         self.model = model
         self.mask = mask
@@ -170,7 +186,7 @@ class SelfDrafter(_ModelDrafter):
         return ids[:, self._fed :]
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.target_cache.run(self.model, tokens, self._fed, keep=1)
+        logits = self.target_cache.run(self.model, tokens, self._fed, keep=1, head=self.head)
         self._fed += tokens.shape[1]
         return logits
 

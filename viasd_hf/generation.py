@@ -48,6 +48,8 @@ from .masks import RoutingMask
 from .state import DecodingState, ModelInputs, TargetCache
 from .stats import ViaSDStats
 from .unsupported import check_supported
+from .vocabulary.head import SubsetHead
+from .vocabulary.lookup import resolve_vocabulary, tier_heads
 
 
 @dataclass
@@ -107,11 +109,13 @@ def build_drafter(
     logits_processor: LogitsProcessorList,
     assistant_model: nn.Module | None,
     target_cache: TargetCache,
+    head: SubsetHead | None = None,
 ) -> Drafter:
     """Choose the drafter as HF users expect: assistant model, else prompt lookup, else the self-drafter.
 
     ``assistant_model`` together with ``prompt_lookup_num_tokens`` drafts by prompt lookup where the
-    context repeats itself and with the assistant elsewhere (``HybridDrafter``).
+    context repeats itself and with the assistant elsewhere (``HybridDrafter``). ``head``: the drafting
+    model's LM head cut to a draft vocabulary.
     """
     lookup = None
     if generation_config.prompt_lookup_num_tokens:
@@ -122,8 +126,9 @@ def build_drafter(
             return lookup
         mask = resolve_mask(config.self_draft_mask, model, "self-drafter")
         return SelfDrafter(
-            model, mask, target_cache, logits_processor, config.draft_confidence_threshold, generation_config.do_sample
-        )
+            model, mask, target_cache, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
+            head,
+        )  # fmt: skip
     if is_encoder_decoder(model):
         raise ValueError(
             "an assistant model for an encoder-decoder target is not supported yet; use prompt lookup "
@@ -132,7 +137,7 @@ def build_drafter(
     check_same_vocabulary(model, assistant_model)
     assistant = AssistantDrafter(
         assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
-        inputs=target_cache.inputs,
+        inputs=target_cache.inputs, head=head,
     )
     return assistant if lookup is None else HybridDrafter(lookup, assistant)
 
@@ -206,7 +211,10 @@ def viasd_generate(
     config = ViaSDConfig.for_call(viasd_config)
     check_supported(model, input_ids, generation_config, model_kwargs)
     state = initial_state(model, input_ids, model_kwargs)
-    chosen = build_drafter(model, config, generation_config, logits_processor, drafter, state.target_cache)
+    drafting_model = drafter if drafter is not None else (None if generation_config.prompt_lookup_num_tokens else model)
+    vocabulary = resolve_vocabulary(config.vocabulary, model, _drafter_id(drafter))
+    drafter_head, slim_head = tier_heads(vocabulary, tuple(config.vocabulary_tiers), drafting_model, model)
+    chosen = build_drafter(model, config, generation_config, logits_processor, drafter, state.target_cache, drafter_head)
     slim_mask = None
     if config.use_slim:
         slim_mask = resolve_mask(config.routing_mask, model, _drafter_id(drafter))
@@ -225,6 +233,7 @@ def viasd_generate(
         keep_logits=keep_logits,
         check_invariants=viasd_check_invariants,
         do_sample=bool(generation_config.do_sample),
+        slim_head=slim_head,
     )
     decoder.run(state)
     if not generation_config.return_dict_in_generate:

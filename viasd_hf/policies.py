@@ -109,6 +109,8 @@ def two_tier(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
 def tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
     """The paper's block: the slim tier commits on its own authority unless it escalates a draft."""
     view = tiers.slim.score(state, draft.tokens)
+    if not view.every_row_has_a_choice:  # a draft vocabulary the processors rule out: nothing to vouch with
+        return _after_slim_pass(two_tier(tiers, state, draft), view, escalated=True)
     verdict = accept_prefix(draft, tiers.rules.slim(view), tiers.rules.slim_escalates(view))
     if verdict.escalated:
         return _after_slim_pass(two_tier(tiers, state, draft), view, escalated=True)
@@ -122,6 +124,8 @@ def lossless(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
     now follows, repaired or not.
     """
     view = tiers.slim.score(state, draft.tokens)
+    if not view.every_row_has_a_choice:  # a draft vocabulary the processors rule out: no repair to offer
+        return _after_slim_pass(two_tier(tiers, state, draft), view)
     slim_target = tiers.rules.slim(view)
     verdict = accept_prefix(draft, slim_target, tiers.rules.slim_escalates(view))
     repaired = not verdict.escalated and verdict.kept < len(draft.tokens)

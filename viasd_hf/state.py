@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .cache import crop_to, layer_lengths
+from .vocabulary.head import SubsetHead
 
 
 class CacheInvariantError(AssertionError):
@@ -42,12 +43,16 @@ class ModelInputs:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
         return {"attention_mask": mask, "position_ids": positions[:, start:total]}
 
-    def logits(self, model: nn.Module, tokens: torch.Tensor, start: int, cache: Any, keep: int) -> torch.Tensor:
+    def logits(
+        self, model: nn.Module, tokens: torch.Tensor, start: int, cache: Any, keep: int, head: SubsetHead | None = None
+    ) -> torch.Tensor:
         """Logits of the last ``keep`` of ``tokens`` (fed at position ``start``), one row per token.
 
         Decoder-only models run the LM head on those rows only: with a 150k vocabulary the head is
-        a large share of a pass.
+        a large share of a pass. With ``head`` (a draft vocabulary) only its rows of the LM head run.
         """
+        if head is not None:
+            return head.logits(model, tokens, cache, keep, **self.position_kwargs(start, tokens.shape[1]))
         if self.encoder_kwargs:
             output = model(decoder_input_ids=tokens, cache=cache, use_cache=True, **self.encoder_kwargs)
             return output.logits[0, -keep:]
@@ -70,9 +75,12 @@ class TargetCache:
         self.inputs = inputs
         self.length = 0
 
-    def run(self, model: nn.Module, tokens: torch.Tensor, start: int, keep: int) -> torch.Tensor:
-        """Logits of the last ``keep`` of ``tokens`` fed at position ``start`` (``length`` or beyond, in a provisional pass)."""
-        return self.inputs.logits(model, tokens, start, self.cache, keep)
+    def run(
+        self, model: nn.Module, tokens: torch.Tensor, start: int, keep: int, head: SubsetHead | None = None
+    ) -> torch.Tensor:
+        """Logits of the last ``keep`` of ``tokens`` fed at position ``start`` (``length`` or beyond, in a provisional
+        pass); over ``head``'s vocabulary only when given."""
+        return self.inputs.logits(model, tokens, start, self.cache, keep, head)
 
     @contextmanager
     def provisional(self) -> Iterator[None]:

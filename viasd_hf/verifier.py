@@ -20,7 +20,8 @@ from transformers import LogitsProcessorList
 from .masks import RoutingMask
 from .routing import skipping
 from .state import DecodingState
-from .tiers import allowed_unscaled
+from .tiers import allowed_unscaled, forbidden
+from .vocabulary.head import SubsetHead
 
 
 @dataclass
@@ -46,15 +47,33 @@ class TierLogits:
     def probs(self) -> torch.Tensor:
         return self.scores.softmax(-1)
 
+    @property
+    def every_row_has_a_choice(self) -> bool:
+        """Whether the processors leave the pass some token at every position (a pass over a draft vocabulary
+        may have none left where they allow only tokens outside it: it cannot vouch for that block)."""
+        return not bool(forbidden(self.scores).all(-1).any())
+
 
 class Verifier:
-    """The target model under ``mask`` (``None``: in full), scoring blocks on the shared cache."""
+    """The target model under ``mask`` (``None``: in full), scoring blocks on the shared cache.
 
-    def __init__(self, model: nn.Module, mask: RoutingMask | None, logits_processor: LogitsProcessorList) -> None:
+    With ``head`` (the slim verifier with a draft vocabulary) only the vocabulary's rows of the LM
+    head run: its scores are −inf elsewhere, so its confidence in a draft outside the vocabulary is 0
+    (the draft is escalated, never committed on its authority) and its own tokens come from the vocabulary.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mask: RoutingMask | None,
+        logits_processor: LogitsProcessorList,
+        head: SubsetHead | None = None,
+    ) -> None:
         self.model = model
         self.mask = mask
         self.skipped = mask.skipped_layers if mask is not None else None  # validated when the call began
         self.logits_processor = logits_processor
+        self.head = head
 
     @property
     def routed(self) -> bool:
@@ -68,9 +87,9 @@ class Verifier:
         keep = len(draft) + 1
         if self.routed:
             with cache.provisional(), skipping(self.model, self.skipped):
-                logits = cache.run(self.model, feed, cache.length, keep)
+                logits = cache.run(self.model, feed, cache.length, keep, self.head)
         else:
-            logits = cache.run(self.model, feed, cache.length, keep)
+            logits = cache.run(self.model, feed, cache.length, keep, self.head)
         scores = self._processed(state.ids, draft, logits)
         return TierLogits(logits.float(), scores, seconds=time.perf_counter() - started, fed=feed.shape[1])
 

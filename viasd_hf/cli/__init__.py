@@ -12,6 +12,7 @@ from .demo import add_demo_command
 from .hub import add_hub_commands
 from .profile import add_profile_command
 from .search import add_search_command
+from .vocab import add_vocab_command
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_command(subparsers)
     add_search_command(subparsers)
     add_hub_commands(subparsers)
+    add_vocab_command(subparsers)
     return parser
 
 

@@ -1,0 +1,94 @@
+"""Which draft vocabulary a ``generate`` call uses, looked up once per model and not on every call.
+
+``ViaSDConfig.vocabulary`` is ``"auto"`` (the pair's vocabulary when one is published or shipped,
+else none), ``None`` (off), a ``DraftVocabulary``, or a local path / Hub repo id. ``"auto"`` finds
+nothing for most models, so unlike routing masks a miss is remembered too: a model without a
+vocabulary must not ask the Hub on every call. ``clear_vocabulary_cache`` forgets both.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Hashable
+from weakref import WeakKeyDictionary
+
+from torch import nn
+
+from ..architectures import is_encoder_decoder, model_config
+from ..mask_repo import default_masks_repo
+from .head import SubsetHead
+from .store import DraftVocabulary, DraftVocabularyError
+
+AUTO = "auto"
+
+_found: WeakKeyDictionary[nn.Module, dict[Hashable, DraftVocabulary | None]] = WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def resolve_vocabulary(spec: DraftVocabulary | str | os.PathLike | None, model: nn.Module, drafter_id: str) -> DraftVocabulary | None:
+    """The validated vocabulary ``spec`` names for ``model`` (the target), or ``None`` when decoding the whole vocabulary.
+
+    ``"auto"`` never fails: a pair without a vocabulary, or with one that does not fit the model,
+    decodes over the whole vocabulary. An explicit path or repo id that cannot be read raises.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, DraftVocabulary):
+        spec.validate_for(model)
+        return spec
+    if spec == AUTO:
+        if is_encoder_decoder(model):
+            return None
+        pair = (str(model_config(model)._name_or_path), drafter_id)
+        vocabulary = _cached(model, ("pair", *pair, default_masks_repo()), lambda: _fitting(pair, model))
+    else:
+        vocabulary = _cached(model, ("spec", os.fspath(spec)), lambda: DraftVocabulary.from_pretrained(spec))
+    if vocabulary is not None:
+        vocabulary.validate_for(model)
+    return vocabulary
+
+
+def _fitting(pair: tuple[str, str], model: nn.Module) -> DraftVocabulary | None:
+    """The pair's vocabulary if there is one made for this model, else ``None``."""
+    try:
+        vocabulary = DraftVocabulary.find_for_pair(*pair)[0]
+        vocabulary.validate_for(model)
+    except DraftVocabularyError:
+        return None
+    return vocabulary
+
+
+def _cached(model: nn.Module, key: Hashable, lookup: Callable[[], DraftVocabulary | None]) -> DraftVocabulary | None:
+    with _lock:
+        table = _found.setdefault(model, {})
+        if key in table:
+            return table[key]
+    vocabulary = lookup()
+    with _lock:
+        _found.setdefault(model, {})[key] = vocabulary
+    return vocabulary
+
+
+def clear_vocabulary_cache(model: nn.Module | None = None) -> None:
+    """Forget the vocabularies (and misses) resolved for ``model`` (every model when ``None``)."""
+    with _lock:
+        if model is None:
+            _found.clear()
+        else:
+            _found.pop(model, None)
+
+
+def tier_heads(
+    vocabulary: DraftVocabulary | None, tiers: tuple[str, ...], drafter_model: nn.Module | None, target: nn.Module
+) -> tuple[SubsetHead | None, SubsetHead | None]:
+    """The sliced heads of the drafter model (``None`` for a model-free drafter) and of the slim verifier,
+    for the tiers named in ``tiers``; ``(None, None)`` without a vocabulary."""
+    if vocabulary is None:
+        return None, None
+    drafter_head = None
+    if "drafter" in tiers and drafter_model is not None:
+        vocabulary.validate_rows(drafter_model)
+        drafter_head = SubsetHead(drafter_model, vocabulary.token_ids)
+    slim_head = SubsetHead(target, vocabulary.token_ids) if "slim" in tiers else None
+    return drafter_head, slim_head
