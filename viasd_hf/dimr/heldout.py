@@ -29,7 +29,7 @@ from ..calibration import Prompt, TeacherForcedReference, Window, build_windows
 from ..corpus import DEFAULT_DEPTHS, DEFAULT_SEED, HELDOUT_PER_FAMILY, Corpus, content_keys, stratified_corpus
 from ..masks import RoutingMask
 from ..models import ZOO, load_pretrained
-from .objectives import MaskScore, score_mask
+from .objectives import MaskScore, pooled, score_mask
 from .report import heldout_markdown, versus_baselines
 from .search_log import to_json_safe
 from .space import early_exit_mask, random_masks
@@ -124,13 +124,6 @@ def heldout_comparison(
             for folder, mask in masks.items()
         ],
     }
-
-
-def pooled(scores: Sequence[MaskScore]) -> MaskScore:
-    """Several families' scores as one, weighted by their positions."""
-    positions = sum(s.positions for s in scores)
-    mean = {name: sum(getattr(s, name) * s.positions for s in scores) / positions for name in ("kl", "top1", "via")}
-    return MaskScore(positions=positions, **mean)
 
 
 def _family_rows(scores: Scores, mask: RoutingMask, randoms: Sequence[RoutingMask], early: RoutingMask) -> dict[str, Any]:
