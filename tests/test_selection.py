@@ -25,7 +25,9 @@ from viasd_hf.dimr import (
     search_budget,
     select_on_validation,
 )
+from viasd_hf.dimr.heldout import heldout_comparison, shipped_masks
 from viasd_hf.dimr.objectives import MaskScore
+from viasd_hf.dimr.report import heldout_markdown
 
 CANDIDATES = [(1, 2, 3), (2, 5, 8), (4, 6, 9), (1, 7, 10), (3, 5, 6)]
 
@@ -167,6 +169,16 @@ def test_stratified_search_never_sees_heldout_prompts_and_writes_family_masks(mo
         family_mask.validate_for(model)
         assert family_mask.skipped_layers == record["families"][family]["skipped"]
         assert family_mask.metadata["family"] == family
+    shipped = shipped_masks(tmp_path)  # the held-out report judges each family mask on its own family
+    assert list(shipped) == ["out", *(f"out/{family}" for family in FAMILIES)]
+    result = heldout_comparison(model, ByteTokenizer(), shipped, stratified_corpus(), n_random=3, limit=1, window=4,
+                                depths=(0,), max_prompt_tokens=24, progress=False)  # fmt: skip
+    assert [entry["meant_for"] for entry in result["masks"]] == [None, *FAMILIES]
+    markdown = heldout_markdown({"target": "tiny", "command": "python -m viasd_hf.dimr.heldout", **result})
+    section = markdown.split("## Family masks against the general mask")[1].split("\n## ")[0]
+    assert [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")] == [
+        f"| `out/{family}`" for family in FAMILIES]  # fmt: skip
+    assert markdown.count("meant for") == len(FAMILIES) and markdown.count("## `out") == 1
 
 
 def test_family_masks_refuse_a_folder_of_another_target(model, tmp_path):

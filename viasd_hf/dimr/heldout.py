@@ -29,6 +29,7 @@ from ..calibration import Prompt, TeacherForcedReference, Window, build_windows
 from ..corpus import DEFAULT_DEPTHS, DEFAULT_SEED, HELDOUT_PER_FAMILY, Corpus, content_keys, stratified_corpus
 from ..masks import RoutingMask
 from ..models import ZOO, load_pretrained
+from .family_masks import FAMILY_MASKS_FILENAME, load_family_masks
 from .objectives import MaskScore, pooled, score_mask
 from .report import heldout_markdown, versus_baselines
 from .search_log import to_json_safe
@@ -39,8 +40,16 @@ Scores = dict[str, dict[tuple[int, ...], MaskScore]]  # family -> skipped layers
 
 
 def shipped_masks(folder: Path) -> dict[str, RoutingMask]:
-    """The masks in ``folder``'s subfolders (``model-free``, ``self-draft``, a drafter slug), by subfolder name."""
-    return {path.parent.name: RoutingMask.from_pretrained(path.parent) for path in sorted(folder.glob(f"*/{MASK_FILE}"))}
+    """The masks in ``folder``'s subfolders (``model-free``, ``self-draft``, a drafter slug), by subfolder name.
+
+    A subfolder with ``family_masks.json`` also gives one mask per task family, as ``<subfolder>/<family>``.
+    """
+    masks = {}
+    for path in sorted(folder.glob(f"*/{MASK_FILE}")):
+        masks[path.parent.name] = RoutingMask.from_pretrained(path.parent)
+        if (path.parent / FAMILY_MASKS_FILENAME).is_file():
+            masks |= {f"{path.parent.name}/{f}": m for f, m in load_family_masks(path.parent).items()}
+    return masks
 
 
 def used_prompt_ids(mask: RoutingMask) -> list[str]:
@@ -119,7 +128,7 @@ def heldout_comparison(
                      "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")},  # fmt: skip
         "masks": [
             {"folder": folder, "drafter": mask.drafter_id, "skipped": mask.skipped_layers, "k": len(mask.skipped_layers),
-             "num_layers": mask.num_layers,
+             "num_layers": mask.num_layers, "meant_for": (mask.metadata or {}).get("family"),
              "families": _family_rows(scores, mask, *baselines[len(mask.skipped_layers)])}  # fmt: skip
             for folder, mask in masks.items()
         ],
