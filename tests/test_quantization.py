@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from conftest import VOCAB, TokensPerCall, assert_stats_consistent, near_copy, tiny_causal_lm
-import viasd_hf.quantization.choice
+from viasd_hf.quantization import choice as quantization_choice
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, quantization, routed
 from viasd_hf.models import load_pretrained
 from viasd_hf.quantization import (
@@ -123,7 +123,7 @@ def test_auto_measures_once_then_reads_the_cache(home, tiny_folder, monkeypatch)
         calls.append(list(schemes))
         return [fake("bf16", 1.0), *(fake(s, 0.1 * (i + 1)) for i, s in enumerate(schemes))]
 
-    monkeypatch.setattr(quantization.choice, "measure", measure)
+    monkeypatch.setattr(quantization_choice, "measure", measure)
     first = resolve_quantization(str(tiny_folder), AUTO)
     second = resolve_quantization(str(tiny_folder), AUTO)
     assert len(calls) == 1 and calls[0] == AVAILABLE

@@ -20,7 +20,7 @@ import json
 import os
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,7 @@ class Calibration:
     window: int
     max_prompt_tokens: int
     depths: tuple[int, ...] = (0,)
+    families: dict[str, str] = field(default_factory=dict)  # prompt id -> task family (stratified corpus only)
 
     @property
     def calibration_ids(self) -> list[str]:

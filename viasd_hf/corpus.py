@@ -290,4 +290,6 @@ def corpus_calibration(
         window=window,
         max_prompt_tokens=max_prompt_tokens,
         depths=tuple(sorted(set(depths))),
+        families={p.id: family for split in ("calibration", "validation") for family, prompts in corpus.splits[split].items()
+                  for p in prompts},  # fmt: skip
     )

@@ -37,7 +37,7 @@ that go with no drafter model live under `<target-slug>/{MODEL_FREE}/` (the slim
 for prompt lookup and the self-drafter; drafter id `self`) and `<target-slug>/{SELF_DRAFT}/` (the
 self-drafter's own drafting mask).
 
-| Target | Drafter | Layers kept | Skip ratio | Objective | Held-out agreement | Search command |
+| Target | Drafter | Layers kept | Skip ratio | Objective | Agreement on the search's held-out (validation) prompts | Search command |
 |---|---|---|---|---|---|---|
 {rows}
 

@@ -29,7 +29,7 @@ CORPORA = ("spec-bench", "stratified")
 
 # The options ``search_command_line`` spells out, in order, so that a saved mask says how to redo it.
 _FLAGS = ("target", "drafter", "skip_ratio", "objective", "iterations", "bo_every", "patience", "time_budget", "seed",
-          "corpus", "prompts", "num_prompts", "num_heldout", "window", "depths", "max_prompt_tokens", "dtype", "out")  # fmt: skip
+          "finalists", "corpus", "prompts", "num_prompts", "num_heldout", "window", "depths", "max_prompt_tokens", "dtype", "out")  # fmt: skip
 
 
 def _skip_ratios(text: str) -> float | list[float]:
@@ -63,6 +63,9 @@ def add_search_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
                         help="stop a budget after N evaluations without improvement")  # fmt: skip
     parser.add_argument("--time-budget", type=positive_float, help="seconds for the whole search (all budgets)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--finalists", type=positive_int, default=8,
+                        help="the best N masks by calibration objective go on to the validation prompts, where the "
+                        "winner is chosen (and, with --corpus stratified, one per task family: family_masks.json)")  # fmt: skip
     parser.add_argument("--corpus", choices=CORPORA, default="spec-bench",
                         help="spec-bench: Spec-Bench questions (or --prompts); stratified: six task families from the "
                         "shipped evaluation data (viasd_hf/corpus.py), whose held-out split the search never sees")  # fmt: skip
@@ -160,12 +163,12 @@ def run_search_command(args: argparse.Namespace) -> int:
     mask = search(
         target, drafter, calibration, skip_ratio=args.skip_ratio, objective=args.objective, iterations=args.iterations,
         bo_every=args.bo_every, patience=args.patience, time_budget=args.time_budget, seed=args.seed,
-        out_dir=args.out, search_command=search_command_line(args),
+        finalists=args.finalists, out_dir=args.out, search_command=search_command_line(args),
     )  # fmt: skip
     heldout = mask.metadata.get("heldout") or {}
     print(
         f"skip {mask.skipped_layers} of {mask.num_layers} layers; {mask.objective} = {mask.objective_value:.4f}; "
-        f"held-out top-1 {heldout.get('top1', float('nan')):.3f}, KL {heldout.get('kl', float('nan')):.3f}; "
+        f"validation top-1 {heldout.get('top1', float('nan')):.3f}, KL {heldout.get('kl', float('nan')):.3f}; "
         f"{mask.metadata['masks_evaluated']} masks in {mask.search_time_s:.0f}s -> {args.out}"
     )
     return 0

@@ -15,12 +15,14 @@ intermediate tier is worth having at all.
 Modules: ``objectives`` (scores and Δ), ``space`` (skippable layers, baseline masks),
 ``proposals`` (BO and random search), ``budget`` (the loop at one budget), ``sweep`` (several
 budgets, costs, predicted speed-up), ``mask_search`` (:func:`search`, end to end),
-``search_log`` (the JSONL log), ``report`` (a mask against the baselines), ``heldout`` (shipped
+``search_log`` (the JSONL log), ``selection`` (the winner among the best masks, chosen on validation
+windows, overall and per task family), ``family_masks`` (``family_masks.json``), ``report`` (a mask against the baselines), ``heldout`` (shipped
 masks per task family on the stratified corpus's held-out split; ``python -m
 viasd_hf.dimr.heldout``). ``viasd search`` is ``viasd_hf.cli.search``.
 """
 
 from .budget import BudgetResult, search_budget
+from .family_masks import FAMILY_MASKS_FILENAME, load_family_masks
 from .mask_search import search
 from .objectives import (
     OBJECTIVES,
@@ -29,24 +31,30 @@ from .objectives import (
     evaluate_mask,
     insertion_criterion,
     kl_divergence,
+    pooled,
     score_mask,
     top1_agreement,
     via_cost,
+    window_scores,
 )
 from .proposals import Proposals
 from .report import baseline_table, compare_with_baselines
 from .search_log import LOG_FILENAME, SearchLog, to_json_safe
+from .selection import Finalist, Selection, select_on_validation
 from .space import early_exit_mask, random_masks, skip_count, skippable_layers
 from .sweep import SPEEDUP_MODEL, measure_slim_costs, predicted_speedup
 
 __all__ = [
+    "FAMILY_MASKS_FILENAME",
     "LOG_FILENAME",
     "OBJECTIVES",
     "SPEEDUP_MODEL",
     "BudgetResult",
+    "Finalist",
     "MaskScore",
     "Proposals",
     "SearchLog",
+    "Selection",
     "as_reference",
     "baseline_table",
     "compare_with_baselines",
@@ -54,15 +62,19 @@ __all__ = [
     "evaluate_mask",
     "insertion_criterion",
     "kl_divergence",
+    "load_family_masks",
     "measure_slim_costs",
+    "pooled",
     "predicted_speedup",
     "random_masks",
     "score_mask",
     "search",
     "search_budget",
+    "select_on_validation",
     "skip_count",
     "skippable_layers",
     "to_json_safe",
     "top1_agreement",
     "via_cost",
+    "window_scores",
 ]

@@ -19,7 +19,11 @@ from .space import skip_count, skippable_layers
 
 @dataclass(frozen=True)
 class BudgetResult:
-    """The best mask found at one skip budget and what finding it took."""
+    """The best mask found at one skip budget and what finding it took.
+
+    ``finalists`` are the best masks by calibration objective, best first (``skipped`` is the
+    first), for a selection on validation windows to choose among (``dimr.selection``).
+    """
 
     skip_ratio: float
     skipped: tuple[int, ...]
@@ -28,6 +32,7 @@ class BudgetResult:
     evaluated: int
     seconds: float
     stop_reason: str
+    finalists: tuple[tuple[tuple[int, ...], MaskScore], ...] = ()
 
 
 def search_budget(
@@ -44,16 +49,18 @@ def search_budget(
     alpha2: float = 0.3,
     log: SearchLog | None = None,
     progress: bool = True,
+    finalists: int = 1,
 ) -> BudgetResult:
     """DIMR at one budget: alternate BO and random proposals, memoised, until a stopping rule fires.
 
     ``deadline`` is a ``time.monotonic()`` value (at least one mask is always evaluated);
-    ``patience`` counts evaluations without a new best.
+    ``patience`` counts evaluations without a new best; the best ``finalists`` masks are returned.
     """
     k = skip_count(target, skip_ratio)
     proposals = Proposals(skippable_layers(target), k, seed)
     log = log or SearchLog(None)
     seen: dict[tuple[int, ...], float] = {}
+    scores: dict[tuple[int, ...], MaskScore] = {}
     best: tuple[tuple[int, ...], float, MaskScore] | None = None
     since_best, stop_reason = 0, "iterations"
     started = time.monotonic()
@@ -74,7 +81,7 @@ def search_budget(
         evaluated_at = time.monotonic()
         score = score_mask(reference, RoutingMask.from_model(target, skip=list(skip)), alpha1, alpha2)
         value = score.objective(objective)
-        seen[skip] = value
+        seen[skip], scores[skip] = value, score
         proposals.observe(point, value, fit=(iteration + 1) % bo_every == 0)
         if best is None or value < best[1]:
             best, since_best = (skip, value, score), 0
@@ -92,4 +99,6 @@ def search_budget(
             break
     bar.close()
     assert best is not None  # iterations >= 1 and the first evaluation ignores the deadline
-    return BudgetResult(skip_ratio, best[0], best[1], best[2], len(seen), time.monotonic() - started, stop_reason)
+    ranked = sorted(seen, key=lambda skip: seen[skip])[:finalists]  # stable: ties keep evaluation order, best first
+    return BudgetResult(skip_ratio, best[0], best[1], best[2], len(seen), time.monotonic() - started, stop_reason,
+                        tuple((skip, scores[skip]) for skip in ranked))  # fmt: skip

@@ -30,7 +30,8 @@ from ..corpus import DEFAULT_DEPTHS, DEFAULT_SEED, HELDOUT_PER_FAMILY, Corpus, c
 from ..masks import RoutingMask
 from ..models import load_pretrained
 from ..zoo import ZOO
-from .objectives import MaskScore, score_mask
+from .family_masks import FAMILY_MASKS_FILENAME, load_family_masks
+from .objectives import MaskScore, pooled, score_mask
 from .report import heldout_markdown, versus_baselines
 from .search_log import to_json_safe
 from .space import early_exit_mask, random_masks
@@ -40,8 +41,16 @@ Scores = dict[str, dict[tuple[int, ...], MaskScore]]  # family -> skipped layers
 
 
 def shipped_masks(folder: Path) -> dict[str, RoutingMask]:
-    """The masks in ``folder``'s subfolders (``model-free``, ``self-draft``, a drafter slug), by subfolder name."""
-    return {path.parent.name: RoutingMask.from_pretrained(path.parent) for path in sorted(folder.glob(f"*/{MASK_FILE}"))}
+    """The masks in ``folder``'s subfolders (``model-free``, ``self-draft``, a drafter slug), by subfolder name.
+
+    A subfolder with ``family_masks.json`` also gives one mask per task family, as ``<subfolder>/<family>``.
+    """
+    masks = {}
+    for path in sorted(folder.glob(f"*/{MASK_FILE}")):
+        masks[path.parent.name] = RoutingMask.from_pretrained(path.parent)
+        if (path.parent / FAMILY_MASKS_FILENAME).is_file():
+            masks |= {f"{path.parent.name}/{f}": m for f, m in load_family_masks(path.parent).items()}
+    return masks
 
 
 def used_prompt_ids(mask: RoutingMask) -> list[str]:
@@ -120,18 +129,11 @@ def heldout_comparison(
                      "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")},  # fmt: skip
         "masks": [
             {"folder": folder, "drafter": mask.drafter_id, "skipped": mask.skipped_layers, "k": len(mask.skipped_layers),
-             "num_layers": mask.num_layers,
+             "num_layers": mask.num_layers, "meant_for": (mask.metadata or {}).get("family"),
              "families": _family_rows(scores, mask, *baselines[len(mask.skipped_layers)])}  # fmt: skip
             for folder, mask in masks.items()
         ],
     }
-
-
-def pooled(scores: Sequence[MaskScore]) -> MaskScore:
-    """Several families' scores as one, weighted by their positions."""
-    positions = sum(s.positions for s in scores)
-    mean = {name: sum(getattr(s, name) * s.positions for s in scores) / positions for name in ("kl", "top1", "via")}
-    return MaskScore(positions=positions, **mean)
 
 
 def _family_rows(scores: Scores, mask: RoutingMask, randoms: Sequence[RoutingMask], early: RoutingMask) -> dict[str, Any]:

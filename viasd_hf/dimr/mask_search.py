@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from ..architectures import model_config, num_decoder_layers
 from ..calibration import Calibration, TeacherForcedReference, Window, build_calibration
 from ..masks import RoutingMask
 from .budget import BudgetResult
+from .family_masks import family_masks_record, write_family_masks
 from .objectives import OBJECTIVES, insertion_criterion
 from .search_log import LOG_FILENAME, SearchLog, to_json_safe
+from .selection import Selection, select_on_validation
 from .space import skip_count
 from .sweep import SPEEDUP_MODEL, budget_rows, measure_slim_costs, search_budgets
 
@@ -36,6 +39,7 @@ def search(
     seed: int = 0,
     alpha1: float = 0.5,
     alpha2: float = 0.3,
+    finalists: int = 8,
     *,
     tokenizer: Any = None,
     out_dir: str | Path | None = None,
@@ -50,23 +54,33 @@ def search(
     ``skip_ratio`` a float searches one budget; a list sweeps budgets, measures each winner's cost
     on this machine and keeps the best predicted speed-up (recorded in ``metadata["sweep"]``).
     ``time_budget`` (seconds) covers all budgets; a budget that stops early leaves its time to
-    the rest. Held-out scores use ``calibration.heldout`` (the calibration windows if it has none).
-    With ``out_dir`` the mask and ``search_log.jsonl`` are written there.
+    the rest. Each budget keeps its best ``finalists`` masks by calibration objective, and the one
+    with the best objective on the validation windows ``calibration.heldout`` wins
+    (``dimr.selection``); without validation windows the calibration best wins and agreement is
+    measured on the calibration windows. With ``out_dir`` the mask and ``search_log.jsonl`` are
+    written there, and ``family_masks.json`` too when the validation prompts have task families.
     """
     sweep = not isinstance(skip_ratio, (int, float))
-    ratios = _checked_ratios(target, skip_ratio, sweep, objective, iterations, bo_every)
+    ratios = _checked_ratios(target, skip_ratio, sweep, objective, iterations, bo_every, finalists)
     started = time.monotonic()
     alphas = dict(alpha1=alpha1, alpha2=alpha2)
     calibration = _as_calibration(target, calibration, tokenizer, progress)
     reference = TeacherForcedReference(target, calibration.windows, progress=progress)
     log = SearchLog(Path(out_dir) / LOG_FILENAME if out_dir is not None else None)
     results = search_budgets(target, reference, ratios, time_budget, objective=objective, iterations=iterations,
-                             bo_every=bo_every, patience=patience, seed=seed, log=log, progress=progress, **alphas)  # fmt: skip
-    rows = _winner_rows(target, drafter, calibration, reference, results, alphas, sweep=sweep,
+                             bo_every=bo_every, patience=patience, seed=seed, log=log, progress=progress,
+                             finalists=finalists, **alphas)  # fmt: skip
+    validation = TeacherForcedReference(target, calibration.heldout, progress=False) if calibration.heldout else None
+    selections = [_select(validation, result, objective, calibration.families, alphas, log) for result in results]
+    results = [_as_selected(result, selection, objective) for result, selection in zip(results, selections)]
+    rows = _winner_rows(target, drafter, validation or reference, reference, results, alphas, sweep=sweep,
                         cost_context=cost_context, block_tokens=block_tokens, cost_repeats=cost_repeats)  # fmt: skip
+    for row, selection in zip(rows, selections):
+        if selection is not None:
+            row["selection"] = selection.record()
     chosen = max(range(len(rows)), key=lambda i: rows[i]["predicted_speedup"]) if sweep else 0
     settings = {"iterations": iterations, "bo_every": bo_every, "patience": patience, "time_budget_s": time_budget,
-                "seed": seed, "optimizer": "skopt Optimizer(GP), top-k of per-layer scores"}  # fmt: skip
+                "seed": seed, "finalists": finalists, "optimizer": "skopt Optimizer(GP), top-k of per-layer scores"}  # fmt: skip
     metadata = _metadata(target, calibration, results, rows, chosen, settings, sweep=sweep, search_command=search_command)
     if drafter is not None:
         _warn_if_not_between(drafter, metadata["insertion"]["delta"])
@@ -85,17 +99,54 @@ def search(
     )
     if out_dir is not None:
         mask.save_pretrained(out_dir)
+        selection = selections[chosen]
+        if selection is not None and selection.family_winners:
+            record = family_masks_record(mask, selection, calibration.families, calibration.heldout_ids)
+            write_family_masks(out_dir, to_json_safe(record))
     return mask
 
 
+def _select(
+    validation: TeacherForcedReference | None,
+    result: BudgetResult,
+    objective: str,
+    families: Mapping[str, str],
+    alphas: Mapping[str, float],
+    log: SearchLog,
+) -> Selection | None:
+    """The budget's finalists scored on the validation windows, each logged, and the winners; ``None`` without any."""
+    if validation is None:
+        return None
+    selection = select_on_validation(validation, result.finalists, objective, families or None, **alphas)
+    k = len(result.skipped)
+    for finalist in selection.finalists:
+        log.write({"phase": "validation", "skip_ratio": result.skip_ratio, "k": k, **finalist.record(objective)})
+    log.write({"phase": "selection", "skip_ratio": result.skip_ratio, "k": k, **selection.record()})
+    return selection
+
+
+def _as_selected(result: BudgetResult, selection: Selection | None, objective: str) -> BudgetResult:
+    """``result`` with the validation winner in place of the calibration best (unchanged without a selection)."""
+    if selection is None:
+        return result
+    winner = selection.winner
+    return replace(result, skipped=winner.skipped, value=winner.calibration.objective(objective), score=winner.calibration)
+
+
 def _checked_ratios(
-    target: nn.Module, skip_ratio: float | Sequence[float], sweep: bool, objective: str, iterations: int, bo_every: int
+    target: nn.Module,
+    skip_ratio: float | Sequence[float],
+    sweep: bool,
+    objective: str,
+    iterations: int,
+    bo_every: int,
+    finalists: int,
 ) -> list[float]:
     """The budgets to search, with every setting checked before any expensive work."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if bo_every < 1 or iterations < 1:
-        raise ValueError(f"bo_every and iterations must be >= 1, got {bo_every} and {iterations}")
+    if bo_every < 1 or iterations < 1 or finalists < 1:
+        raise ValueError(f"bo_every, iterations and finalists must be >= 1, got {bo_every}, {iterations} and {finalists}")
     ratios = [float(r) for r in skip_ratio] if sweep else [float(skip_ratio)]
     for ratio in ratios:
         skip_count(target, ratio)
@@ -119,7 +170,7 @@ def _as_calibration(
 def _winner_rows(
     target: nn.Module,
     drafter: nn.Module | None,
-    calibration: Calibration,
+    agreement_on: TeacherForcedReference,
     reference: TeacherForcedReference,
     results: Sequence[BudgetResult],
     alphas: Mapping[str, float],
@@ -129,11 +180,10 @@ def _winner_rows(
     block_tokens: int,
     cost_repeats: int,
 ) -> list[dict[str, Any]]:
-    """Each budget's winner scored on held-out windows, timed when sweeping, and with Δ when there is a drafter."""
+    """Each budget's winner scored on ``agreement_on``, timed when sweeping, and with Δ when there is a drafter."""
     masks = {f"{r.skip_ratio:g}": RoutingMask.from_model(target, skip=list(r.skipped)) for r in results}
     costs = measure_slim_costs(target, masks, cost_context, block_tokens, cost_repeats) if sweep else None
-    heldout = TeacherForcedReference(target, calibration.heldout, progress=False) if calibration.heldout else reference
-    rows = budget_rows(target, results, heldout, costs, block_tokens, alphas)
+    rows = budget_rows(target, results, agreement_on, costs, block_tokens, alphas)
     if drafter is not None:
         for row, criterion in zip(rows, insertion_criterion(reference, drafter, masks, **alphas).values()):
             row["insertion"] = criterion
@@ -155,7 +205,8 @@ def _metadata(
     best, row = results[chosen], rows[chosen]
     metadata: dict[str, Any] = {
         "heldout": row["heldout"],
-        "agreement_windows": "held-out" if calibration.heldout else "calibration (no held-out prompts given)",
+        "agreement_windows": "validation (the windows the winner was selected on; judge it on dimr.heldout's)"
+        if calibration.heldout else "calibration (no held-out prompts given)",
         "calibration_score": row["calibration"],
         "masks_evaluated": sum(r.evaluated for r in results),
         "masks_evaluated_at_budget": best.evaluated,
@@ -166,6 +217,8 @@ def _metadata(
         "dtype": str(next(target.parameters()).dtype),
         "search": settings,
     }
+    if "selection" in row:
+        metadata["selection"] = row["selection"]
     if sweep:
         metadata |= {"sweep": rows, "speedup_model": SPEEDUP_MODEL, "predicted_speedup": row["predicted_speedup"]}
     if "insertion" in row:  # there was a drafter

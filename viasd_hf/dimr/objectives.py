@@ -58,16 +58,29 @@ class MaskScore:
         return {"via": self.via, "kl": self.kl, "top1": 1.0 - self.top1}[name]
 
 
-def score_mask(reference: TeacherForcedReference, mask: RoutingMask, alpha1: float = 0.5, alpha2: float = 0.3) -> MaskScore:
-    """One slim pass per window; KL, top-1 agreement and VIA cost against the stored full model."""
-    kl = top1 = via = 0.0
-    positions = 0
+def window_scores(
+    reference: TeacherForcedReference, mask: RoutingMask, alpha1: float = 0.5, alpha2: float = 0.3
+) -> list[MaskScore]:
+    """One slim pass per window; each window's KL, top-1 agreement and VIA cost against the stored full model."""
+    scores = []
     for log_q, log_slim in reference.log_prob_pairs(mask):
-        kl += kl_divergence(log_q, log_slim).sum().item()
-        top1 += top1_agreement(log_q, log_slim).sum().item()
-        via += via_cost(log_q, log_slim, alpha1, alpha2).sum().item()
-        positions += log_q.shape[0]
-    return MaskScore(kl / positions, top1 / positions, via / positions, positions)
+        positions = log_q.shape[0]
+        scores.append(MaskScore(kl_divergence(log_q, log_slim).sum().item() / positions,
+                                top1_agreement(log_q, log_slim).sum().item() / positions,
+                                via_cost(log_q, log_slim, alpha1, alpha2).sum().item() / positions, positions))  # fmt: skip
+    return scores
+
+
+def pooled(scores: Sequence[MaskScore]) -> MaskScore:
+    """Several windows' (or families') scores as one, weighted by their positions."""
+    positions = sum(s.positions for s in scores)
+    mean = {name: sum(getattr(s, name) * s.positions for s in scores) / positions for name in ("kl", "top1", "via")}
+    return MaskScore(positions=positions, **mean)
+
+
+def score_mask(reference: TeacherForcedReference, mask: RoutingMask, alpha1: float = 0.5, alpha2: float = 0.3) -> MaskScore:
+    """KL, top-1 agreement and VIA cost of ``mask`` over all of ``reference``'s windows (one slim pass each)."""
+    return pooled(window_scores(reference, mask, alpha1, alpha2))
 
 
 def as_reference(target: nn.Module, windows: TeacherForcedReference | Sequence[Window]) -> TeacherForcedReference:

@@ -111,7 +111,16 @@ def family_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def verdict(entry: Mapping[str, Any]) -> str:
-    """One sentence per mask: the families where it beats the random median on held-out KL, and where it does not."""
+    """One sentence per mask: the families where it beats the random median on held-out KL, and where it does not.
+
+    A family mask (``meant_for`` a family) is judged on that family only.
+    """
+    if entry.get("meant_for"):
+        family = entry["meant_for"]
+        row = entry["families"][family]
+        beats = "beats" if row["beats_random_median"]["kl"] else "**does not beat**"
+        return (f"`{entry['folder']}` (skips {entry['skipped']}), meant for {family}: {beats} the random median on "
+                f"{family}'s held-out KL ({row['mask']['kl']:.3f} vs {row['random']['kl']['median']:.3f}).")  # fmt: skip
     families = {f: row for f, row in entry["families"].items() if f != "all"}
     losing = [f for f, row in families.items() if not row["beats_random_median"]["kl"]]
     head = f"`{entry['folder']}` (skips {entry['skipped']}): beats the random median on held-out KL in " \
@@ -122,6 +131,33 @@ def verdict(entry: Mapping[str, Any]) -> str:
         f"{f} ({families[f]['mask']['kl']:.3f} vs {families[f]['random']['kl']['median']:.3f})" for f in losing
     )
     return f"{head}; **not in {details}**."
+
+
+def family_masks_section(entries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each family mask (``family_masks.json``) beside its folder's general mask, on that family's held-out windows."""
+    general = {e["folder"]: e for e in entries if not e.get("meant_for")}
+    rows = []
+    for entry in (e for e in entries if e.get("meant_for")):
+        family = entry["meant_for"]
+        parent = general[entry["folder"].rsplit("/", 1)[0]]
+        own, base = entry["families"][family], parent["families"][family]
+        better = "same mask" if entry["skipped"] == parent["skipped"] else "yes" if own["mask"]["kl"] < base["mask"]["kl"] else "no"
+        rows.append(f"| `{entry['folder']}` | {entry['skipped']} | {own['mask']['kl']:.3f} | {base['mask']['kl']:.3f} | "
+                    f"{own['random']['kl']['median']:.3f} | {own['mask']['via']:.3f} | {base['mask']['via']:.3f} | {better} |")  # fmt: skip
+    if not rows:
+        return []
+    return [
+        "",
+        "## Family masks against the general mask",
+        "",
+        "Per task family, the finalist of the search that won on that family's validation windows "
+        "(`family_masks.json`), on that family's held-out windows only.",
+        "",
+        "| family mask | skipped | KL: family mask | KL: general mask | KL: random median | VIA: family mask | "
+        "VIA: general mask | lower KL than general? |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def heldout_markdown(result: Mapping[str, Any]) -> str:
@@ -159,7 +195,8 @@ def heldout_markdown(result: Mapping[str, Any]) -> str:
         *(f"| {family} | {len(h['prompts'])} | {h['windows']} | {h['positions']} | "
           f"{', '.join(h['dropped_as_used_in_search']) or '—'} |" for family, h in heldout.items()),  # fmt: skip
     ]
-    for entry in result["masks"]:
+    lines += family_masks_section(result["masks"])
+    for entry in (e for e in result["masks"] if not e.get("meant_for")):
         k, layers = entry["k"], entry["num_layers"]
         lines += [
             "",
