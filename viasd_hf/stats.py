@@ -17,7 +17,9 @@ class ViaSDStats:
     """Counts are tokens unless named ``*_forwards`` or ``*_blocks``.
 
     With ``adaptive=True``, ``slim_on_blocks`` / ``slim_off_blocks`` say how often the slim tier
-    was active, and ``tier_switches`` when and why the controller switched it.
+    was active, and ``tier_switches`` when and why the controller switched it. With a mask set,
+    ``mask_choice`` names the mask chosen and why, with every mask's agreement with the full model
+    and escalation rate (``MaskChooser.report``).
 
     ``new_tokens == accepted_tokens + slim_tokens + full_tokens`` unless generation stopped inside
     a block: every committed token was a draft that was accepted (by the slim or the full tier),
@@ -44,6 +46,7 @@ class ViaSDStats:
     slim_on_blocks: int = 0
     slim_off_blocks: int = 0
     tier_switches: list[dict] = field(default_factory=list)
+    mask_choice: dict[str, Any] | None = None
     full_forwards: int = 0
     prefill_forwards: int = 0
     slim_forwards: int = 0
