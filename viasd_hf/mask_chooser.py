@@ -32,7 +32,7 @@ from transformers import LogitsProcessorList
 
 from .mask_set import MaskSet
 from .policies import BlockResult, Tiers
-from .verifier import TierLogits, Verifier
+from .verifier import Verifier
 
 
 @dataclass
@@ -55,11 +55,6 @@ class MaskRecord:
             "escalation_rate": self.escalated_blocks / self.slim_blocks if self.slim_blocks else None,
             "probes": self.probes,
         }
-
-
-def agreeing_rows(slim: TierLogits, full: TierLogits, rows: int) -> list[bool]:
-    """Whether each of the first ``rows`` rows has the same top token in both views."""
-    return (slim.scores[:rows].argmax(-1) == full.scores[:rows].argmax(-1)).tolist()
 
 
 @dataclass
@@ -116,7 +111,7 @@ class MaskChooser:
         check = block.check
         if check is None:
             return
-        running = agreeing_rows(check.slim, check.full, check.rows)
+        running = check.agrees()
         _count(record, running)
         if check.probe is None:
             return
@@ -124,7 +119,7 @@ class MaskChooser:
         self.turn += 1
         self.probe_seconds += check.probe.seconds
         self.records[probed].probes += 1
-        other = agreeing_rows(check.probe, check.full, check.rows)
+        other = check.agrees(check.probe)
         _count(self.records[probed], other)
         wins = sum(b and not a for a, b in zip(running, other))
         losses = sum(a and not b for a, b in zip(running, other))

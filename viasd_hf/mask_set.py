@@ -259,17 +259,23 @@ def resolve_slim_masks(spec: RoutingMask | MaskSet | str | None, model: nn.Modul
     """The slim tier's mask, or its mask set when there is more than one mask to choose from, validated for ``model``.
 
     ``None`` reads the pair's set (or single mask); a path or Hub id likewise. Lookups are done
-    once per (model, drafter, spec) (``viasd_hf.mask_cache``). A set of one is its mask.
+    once per (model, drafter, spec) (``viasd_hf.mask_cache``, under the keys
+    ``generation.resolve_mask`` uses, so a pair without a set is cached as the mask it was).
+    A set of one is its mask.
     """
     if isinstance(spec, RoutingMask):
         spec.validate_for(model)
         return spec
     if isinstance(spec, MaskSet):
-        masks = spec
+        found = _unwrapped(spec)
     elif spec is None:
         pair = (str(model_config(model)._name_or_path), drafter_id)
-        masks = cached_mask(model, ("pair-set", *pair, default_masks_repo()), lambda: MaskSet.from_pretrained(pair))
+        found = cached_mask(model, ("pair", *pair, default_masks_repo()), lambda: _unwrapped(MaskSet.from_pretrained(pair)))
     else:
-        masks = cached_mask(model, ("spec-set", os.fspath(spec)), lambda: MaskSet.from_pretrained(spec))
-    masks.validate_for(model)
+        found = cached_mask(model, ("spec", os.fspath(spec)), lambda: _unwrapped(MaskSet.from_pretrained(spec)))
+    found.validate_for(model)
+    return found
+
+
+def _unwrapped(masks: MaskSet) -> RoutingMask | MaskSet:
     return masks.default_mask if len(masks.masks) == 1 else masks

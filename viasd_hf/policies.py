@@ -37,6 +37,11 @@ class SlimCheck:
     rows: int
     probe: TierLogits | None = None
 
+    def agrees(self, view: TierLogits | None = None) -> list[bool]:
+        """Whether ``view`` (the slim pass unless given) has the full model's top token, row by row."""
+        rows = (view or self.slim).scores[: self.rows].argmax(-1)
+        return (rows == self.full.scores[: self.rows].argmax(-1)).tolist()
+
 
 @dataclass
 class BlockResult:

@@ -42,6 +42,8 @@ class ViaSDStats:
     full_tokens: int = 0
     slim_committed_tokens: int = 0
     peak_slim_backlog: int = 0
+    slim_agreed_rows: int = 0  # rows where the slim tier's top token was the full model's, where both scored them
+    slim_compared_rows: int = 0
     committed_by: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "slim": 0, "full": 0})
     slim_on_blocks: int = 0
     slim_off_blocks: int = 0
@@ -81,6 +83,9 @@ class ViaSDStats:
         self.full_forwards += block.passes["full"]
         for tier in ("slim", "full"):
             self.seconds[tier] += block.seconds[tier]
+        if block.check is not None:
+            self.slim_agreed_rows += sum(block.check.agrees())
+            self.slim_compared_rows += block.check.rows
 
     def record_draft(self, forwards: int, seconds: float) -> None:
         self.drafter_forwards += forwards
@@ -108,6 +113,12 @@ class ViaSDStats:
         return self.escalated_blocks / slim_blocks if slim_blocks and self.slim_forwards else 0.0
 
     @property
+    def slim_agreement(self) -> float | None:
+        """How often the slim tier's top token was the full model's, on the rows both scored (escalated tiered
+        blocks, lossless blocks with the slim tier on): measured for free, ``None`` when there were none."""
+        return self.slim_agreed_rows / self.slim_compared_rows if self.slim_compared_rows else None
+
+    @property
     def decode_full_forwards(self) -> int:
         return self.full_forwards - self.prefill_forwards
 
@@ -125,7 +136,8 @@ class ViaSDStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at_position, self.drafted_at_position)]
 
     def to_dict(self) -> dict[str, Any]:
-        derived = ("rejection_rate", "escalation_rate", "mean_accepted_per_full_call", "full_calls_per_token", "acceptance_by_position")
+        derived = ("rejection_rate", "escalation_rate", "slim_agreement", "mean_accepted_per_full_call",
+                   "full_calls_per_token", "acceptance_by_position")
         return asdict(self) | {name: getattr(self, name) for name in derived}
 
     def summary(self) -> str:

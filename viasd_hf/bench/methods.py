@@ -21,11 +21,12 @@ from transformers.generation import candidate_generator
 
 from ..config import ViaSDConfig
 from ..generation import enable_viasd
+from ..mask_set import MaskSet
 from ..masks import RoutingMask
 
 METHODS = (
     "greedy", "hf_assisted", "hf_prompt_lookup", "self_spec", "cascade", "two_tier", "viasd", "viasd_lossless",
-    "two_tier_hybrid", "viasd_hybrid", "viasd_lossless_hybrid",
+    "two_tier_hybrid", "viasd_hybrid", "viasd_lossless_hybrid", "viasd_mask_set",
 )
 HYBRID_SUFFIX = "_hybrid"  # the same method, drafting by prompt lookup where the context repeats itself
 
@@ -146,6 +147,7 @@ class MethodTable:
     mask: RoutingMask
     self_draft_mask: RoutingMask | None
     settings: MethodSettings = field(default_factory=MethodSettings)
+    mask_set: MaskSet | None = None  # viasd_mask_set: ``viasd`` choosing among these masks online
 
     def build(self, names: list[str]) -> dict[str, Method]:
         unknown = [name for name in names if name not in METHODS]
@@ -158,6 +160,8 @@ class MethodTable:
                 "self_spec needs a self-drafting mask for this target: pass --self-draft-mask, or find one with "
                 "`viasd search --drafter self --skip-ratio 0.45`, or leave self_spec out of --methods"
             )
+        if "viasd_mask_set" in names and (self.mask_set is None or len(self.mask_set.masks) < 2):
+            raise ValueError("viasd_mask_set needs a mask set of two or more masks: pass --mask-set, or leave it out")
         enable_viasd(self.target)
         return {name: self._method(name) for name in names}
 
@@ -186,8 +190,9 @@ class MethodTable:
             return ViaSDConfig(use_slim=False, cascade_lenience=self.settings.cascade_lenience, **drafting), self.drafter
         if name == "two_tier":
             return ViaSDConfig(use_slim=False, **drafting), self.drafter
-        if name == "viasd":
+        if name in ("viasd", "viasd_mask_set"):
             # the wall-clock controller, so the slim tier runs wherever it pays on this machine; the
             # default ("fixed" for tiered mode) trades that for reproducible output
-            return ViaSDConfig.paper(routing_mask=self.mask, tier_switching="measured", **drafting), self.drafter
+            mask = self.mask_set if name == "viasd_mask_set" else self.mask
+            return ViaSDConfig.paper(routing_mask=mask, tier_switching="measured", **drafting), self.drafter
         return ViaSDConfig(routing_mask=self.mask, mode="lossless", **drafting), self.drafter
