@@ -231,3 +231,29 @@ def test_the_shipped_set_of_a_pair_is_found_before_its_single_mask(fake_hub, tar
     assert MaskSet.from_pretrained(("tiny-random-llama", "self"), endpoint=fake_hub.url) == masks
     with pytest.raises(RoutingMaskError, match="no routing mask for target 'tiny-random-qwen2'"):
         MaskSet.from_pretrained(("tiny-random-qwen2", "self"), endpoint=fake_hub.url)
+
+
+# --------------------------------------------------------------------------- the bench: static mask next to the online choice
+
+
+def test_the_bench_reports_the_mask_chosen_next_to_the_static_mask(target, drafter, single_thread):
+    from test_bench import DigitTokenizer
+
+    from viasd_hf.bench.methods import MethodTable
+    from viasd_hf.bench.report import mask_markdown
+    from viasd_hf.bench.runner import run_methods, summarise
+    from viasd_hf.bench.tasks import Example
+
+    masks = two_masks(target)
+    table = MethodTable(target, drafter, masks.default_mask, None, mask_set=masks)
+    with pytest.raises(ValueError, match="viasd_mask_set needs a mask set of two or more masks"):
+        MethodTable(target, drafter, masks.default_mask, None).build(["greedy", "viasd_mask_set"])
+    methods = table.build(["greedy", "viasd", "viasd_mask_set"])
+    examples = [Example("code", "def add(a, b): return a + b and more"), Example("chat", "hello there general kenobi")]
+    runs = run_methods(methods, DigitTokenizer(), examples, max_new_tokens=24)
+    summary = summarise(runs, examples, str, {name: 1 for name in methods})
+    for task in ("code", "chat"):
+        online = summary["viasd_mask_set"]["per_task"][task]
+        assert sum(online["mask_chosen"].values()) == 1 and "mask_chosen" not in summary["viasd"]["per_task"][task]
+    table_text = mask_markdown(summary)
+    assert "| viasd_mask_set |" in table_text and "greedy" not in table_text

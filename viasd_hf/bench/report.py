@@ -56,8 +56,8 @@ def per_task_markdown(summary: dict[str, dict[str, Any]]) -> str:
 
 
 def mask_markdown(summary: dict[str, dict[str, Any]]) -> str:
-    """Per task, for each method whose slim tier was checked against the full model: the mask chosen (prompts per
-    mask; "static" for a single mask), the slim tier's agreement with the full model, and the escalation rate."""
+    """Per task, for each of our decoders with a slim tier: the mask chosen (prompts per mask; "static" for a single
+    mask), the slim tier's agreement with the full model where it checked the slim tier, and the escalation rate."""
     tasks = list(next(iter(summary.values()))["per_task"])
     lines = ["| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
     for name, row in summary.items():
@@ -66,7 +66,7 @@ def mask_markdown(summary: dict[str, dict[str, Any]]) -> str:
             work = row["per_task"][task]
             chosen = ", ".join(f"{mask} ×{count}" for mask, count in work.get("mask_chosen", {}).items()) or "static"
             cells.append(f"{chosen} · {_cell(work.get('slim_agreement'))} · {_cell(work.get('escalation_rate'))}")
-        if any("slim_agreement" in row["per_task"][task] for task in tasks):
+        if row.get("slim_on_fraction") is not None:  # our decoders with a slim tier
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..bench.methods import METHODS, MethodSettings, MethodTable
+from ..bench.methods import KNOWN_METHODS, METHODS, MethodSettings, MethodTable
 from ..bench.report import environment, markdown, mask_markdown, per_task_markdown, plots, time_markdown
 from ..bench.tasks import DATASETS, Example, load_examples, load_jsonl
 from ..mask_set import MaskSet
@@ -47,7 +47,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="zoo name, Hub id or local folder")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct", help="assistant model sharing the tokenizer")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(METHODS)}")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(KNOWN_METHODS)}")
     parser.add_argument("--dataset", default="spec_bench", choices=DATASETS)
     parser.add_argument("--prompts", help="JSONL with 'prompt', optional 'reference' and 'task' (instead of --dataset)")
     parser.add_argument("--limit", type=positive_int, help="examples per task (default: all)")
@@ -123,9 +123,9 @@ def _examples(args: argparse.Namespace) -> list[Example]:
 
 def _method_names(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",")]
-    unknown = [name for name in names if name not in METHODS]
+    unknown = [name for name in names if name not in KNOWN_METHODS]
     if unknown:
-        raise UsageError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
+        raise UsageError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; choose from {', '.join(KNOWN_METHODS)}")
     if names[0] != "greedy":
         raise UsageError("--methods: the first method must be greedy: every speed-up and agreement is measured against it")
     if len(set(names)) != len(names):
