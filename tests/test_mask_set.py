@@ -11,10 +11,10 @@ from huggingface_hub import HfApi, constants
 
 from conftest import assert_stats_consistent, tiny_causal_lm
 from hub_server import FakeHub, serve
-from viasd_hf import RoutingMask, RoutingMaskError, ViaSDConfig, hub_files, mask_repo, viasd_generate
+from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, hub_files, mask_repo, viasd_generate
 from viasd_hf.mask_cache import clear_mask_cache
 from viasd_hf.mask_chooser import MaskChooser
-from viasd_hf.mask_set import MaskSet, resolve_slim_masks
+from viasd_hf.mask_set import resolve_slim_masks
 from viasd_hf.policies import BlockResult, SlimCheck
 from viasd_hf.verifier import TierLogits
 

@@ -77,6 +77,7 @@ class MaskChooser:
     probe_interval: int = 0
     turn: int = 0  # which alternative is probed next
     probe_seconds: float = 0.0
+    default: str = field(init=False)  # the mask the call started with
 
     def __post_init__(self) -> None:
         self.default = self.running
@@ -86,6 +87,7 @@ class MaskChooser:
 
     @classmethod
     def for_set(cls, masks: MaskSet, model: nn.Module, logits_processor: LogitsProcessorList, **settings: Any) -> MaskChooser:
+        """A chooser over ``masks`` on ``model``, starting with the set's default; ``settings`` override the schedule."""
         verifiers = {name: Verifier(model, mask, logits_processor) for name, mask in masks.masks.items()}
         return cls(verifiers, masks.default, **settings)
 

@@ -122,6 +122,7 @@ class Tiers:
     probe: Verifier | None = None
 
     def probed(self, state: DecodingState, draft: Draft) -> TierLogits | None:
+        """The probed mask's pass over ``draft``; call it only right before the full pass that will score the draft."""
         return self.probe.score(state, draft.tokens) if self.probe is not None else None
 
 

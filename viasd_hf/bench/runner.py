@@ -191,9 +191,14 @@ def _task_work(outcomes: list[Outcome]) -> dict[str, Any]:
     compared = sum(stats["slim_compared_rows"] for stats in viasd)
     if compared:
         row["slim_agreement"] = sum(stats["slim_agreed_rows"] for stats in viasd) / compared
-    chosen = [stats["mask_choice"]["chosen"] for stats in viasd if stats.get("mask_choice")]
-    if chosen:
+    choices = [stats["mask_choice"] for stats in viasd if stats.get("mask_choice")]
+    if choices:
+        chosen = [choice["chosen"] for choice in choices]
         row["mask_chosen"] = {name: chosen.count(name) for name in dict.fromkeys(chosen)}
+        row["mask_agreement"] = {  # pooled over prompts: rows compared with the full model, as slim tier or probe
+            name: {key: sum(choice["masks"][name][key] for choice in choices) for key in ("agreed_rows", "compared_rows", "probes")}
+            for name in choices[0]["masks"]
+        }
     return row
 
 
