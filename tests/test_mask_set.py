@@ -13,9 +13,10 @@ from conftest import assert_stats_consistent, tiny_causal_lm
 from hub_server import FakeHub, serve
 from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, hub_files, mask_repo, viasd_generate
 from viasd_hf.mask_cache import clear_mask_cache
-from viasd_hf.mask_chooser import MaskChooser
+from viasd_hf.mask_chooser import MaskChoice, MaskChooser
 from viasd_hf.mask_set import resolve_slim_masks
-from viasd_hf.policies import BlockResult, SlimCheck
+from viasd_hf.policies import BlockResult, SlimCheck, Tiers
+from viasd_hf.tier_memory import mask_chooser, tier_memory
 from viasd_hf.verifier import TierLogits
 
 REPO = "viasd-test/routing-masks"
@@ -60,25 +61,29 @@ def checked_block(full: list[int], slim: list[int], probe: list[int] | None) -> 
                        passes={"slim": 1, "full": 1}, check=check)
 
 
-def run_synthetic(chooser: MaskChooser, agreement: dict[str, float], blocks: int, rows: int = 5) -> None:
+def run_synthetic(choice: MaskChoice, agreement: dict[str, float], blocks: int, rows: int = 5) -> None:
     """Feed ``blocks`` escalated blocks; each mask agrees with the full model on the first agreement[mask]·rows rows."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(blocks):
-        due = chooser.slim_blocks >= chooser.next_probe
-        probed = chooser.alternatives[chooser.turn % len(chooser.alternatives)] if due else None
+        choice.tiers(Tiers(None, None, None))
+        running, probed = choice.planned
         full = torch.randint(0, VOCAB, (rows,), generator=generator).tolist()
 
         def seen_by(name: str) -> list[int]:
             right = round(agreement[name] * rows)
             return full[:right] + [(token + 1) % VOCAB for token in full[right:]]
 
-        chooser.observe(checked_block(full, seen_by(chooser.running), seen_by(probed) if probed else None))
+        choice.observe(checked_block(full, seen_by(running), seen_by(probed) if probed else None))
+
+
+def synthetic_choice(*names: str) -> MaskChoice:
+    return MaskChoice(dict.fromkeys(names), MaskChooser(list(names), names[0]))
 
 
 def test_the_chooser_switches_to_a_mask_that_clearly_agrees_more_and_says_why():
-    chooser = MaskChooser({"bad": None, "good": None}, "bad")
-    run_synthetic(chooser, {"bad": 0.2, "good": 1.0}, blocks=40)
-    report = chooser.report()
+    choice = synthetic_choice("bad", "good")
+    run_synthetic(choice, {"bad": 0.2, "good": 1.0}, blocks=40)
+    report = choice.report()
     assert report["default"] == "bad" and report["chosen"] == "good"
     assert len(report["switches"]) == 1 and report["switches"][0]["from"] == "bad"
     assert "'good' agreed with the full model where 'bad' did not" in report["reason"]
@@ -88,19 +93,20 @@ def test_the_chooser_switches_to_a_mask_that_clearly_agrees_more_and_says_why():
 
 
 def test_the_chooser_keeps_the_default_when_no_mask_is_clearly_better():
-    chooser = MaskChooser({"a": None, "b": None, "c": None}, "a")
-    run_synthetic(chooser, {"a": 0.6, "b": 0.6, "c": 0.6}, blocks=200)
-    report = chooser.report()
-    assert report["chosen"] == "a" and not report["switches"] and "kept the default" in report["reason"]
+    choice = synthetic_choice("a", "b", "c")
+    run_synthetic(choice, {"a": 0.6, "b": 0.6, "c": 0.6}, blocks=200)
+    report = choice.report()
+    assert report["chosen"] == "a" and not report["switches"] and "kept the mask it started with" in report["reason"]
     assert report["masks"]["b"]["probes"] and report["masks"]["c"]["probes"]  # the alternatives are taken in turn
-    assert chooser.probe_interval == chooser.probe_every  # undecided: probing goes on at the base rate
+    assert choice.chooser.probe_interval == choice.chooser.probe_every  # undecided: probing goes on at the base rate
 
 
 def test_probes_back_off_while_every_alternative_is_clearly_worse():
-    chooser = MaskChooser({"good": None, "bad": None}, "good")
-    run_synthetic(chooser, {"good": 1.0, "bad": 0.0}, blocks=300)
+    choice = synthetic_choice("good", "bad")
+    run_synthetic(choice, {"good": 1.0, "bad": 0.0}, blocks=300)
+    chooser = choice.chooser
     assert chooser.running == "good" and chooser.probe_interval == chooser.max_probe_every
-    assert chooser.records["bad"].probes < 300 / chooser.probe_every
+    assert choice.records["bad"].probes < 300 / chooser.probe_every
 
 
 # --------------------------------------------------------------------------- the chooser inside generate
@@ -110,11 +116,35 @@ def test_generate_picks_the_better_mask_of_a_set_reproducibly(target, drafter, p
     config = ViaSDConfig(routing_mask=two_masks(target), adaptive=False, tau_accept=0.9, tau_escalate=0.8)
     first = decode(target, drafter, config, prompt_ids, max_new_tokens=96)
     choice = first.viasd_stats.mask_choice
-    assert choice["default"] == "bad" and choice["chosen"] == "good", choice
+    assert choice["default"] == choice["started_with"] == "bad" and choice["chosen"] == "good", choice
     assert choice["masks"]["good"]["agreement"] > choice["masks"]["bad"]["agreement"]
     assert_stats_consistent(first.viasd_stats, first.sequences.shape[1] - prompt_ids.shape[1], "tiered")
     again = decode(target, drafter, config, prompt_ids, max_new_tokens=96)
     assert torch.equal(again.sequences, first.sequences) and again.viasd_stats.mask_choice["switches"] == choice["switches"]
+
+
+def test_measured_tier_switching_remembers_the_choice_until_the_memory_is_reset(target, drafter, prompt_ids):
+    masks = two_masks(target)
+    measured = ViaSDConfig(routing_mask=masks, tau_accept=0.9, tau_escalate=0.8, tier_switching="measured")
+    fixed = ViaSDConfig(routing_mask=masks, tau_accept=0.9, tau_escalate=0.8, tier_switching="fixed")
+    memory = tier_memory(target)
+    memory.reset()
+    remembered = mask_chooser(target, masks, "drafter", measured, do_sample=False)
+    assert mask_chooser(target, masks, "drafter", measured, do_sample=False) is remembered
+    assert mask_chooser(target, masks, "drafter", fixed, do_sample=False) is not remembered  # reproducible: afresh
+    memory.reset()
+    assert mask_chooser(target, masks, "drafter", measured, do_sample=False) is not remembered
+    memory.reset()
+
+    def started_with(config: ViaSDConfig) -> str:
+        return decode(target, drafter, config, prompt_ids, max_new_tokens=8).viasd_stats.mask_choice["started_with"]
+
+    assert started_with(measured) == "bad"
+    (chooser,) = memory.choosers.values()
+    chooser.running = "good"  # as if an earlier call had chosen it
+    assert started_with(measured) == "good" and started_with(fixed) == "bad"
+    memory.reset()
+    assert started_with(measured) == "bad"
 
 
 @pytest.mark.parametrize("drafting", ["assistant", "prompt_lookup"])

@@ -28,14 +28,14 @@ from .adaptive import BlockCost, measures_wall_clock
 from .config import ViaSDConfig
 from .draft_planner import DraftPlanner, MeasuredCosts, static_costs
 from .drafters import Drafter
-from .mask_chooser import MaskChooser
+from .mask_chooser import MaskChoice
 from .mask_set import MaskSet
 from .masks import RoutingMask
 from .policies import BlockResult, Policy, Tiers, VerificationRules, lossless, tiered, two_tier
 from .sampling import RandomStream
 from .state import DecodingState
 from .stats import ViaSDStats
-from .tier_memory import tier_choice
+from .tier_memory import mask_chooser, tier_choice
 from .verifier import TierLogits, Verifier
 
 
@@ -71,7 +71,8 @@ class ViaSDDecoder:
         self.chooser = None
         drafter_key = (drafter.name, id(getattr(drafter, "model", None)))
         if isinstance(slim_mask, MaskSet):
-            self.chooser = MaskChooser.for_set(slim_mask, model, logits_processor)
+            self.chooser = MaskChoice.for_set(slim_mask, model, logits_processor,
+                                              mask_chooser(model, slim_mask, drafter_key, config, do_sample))
             drafter_key += (tuple(tuple(mask.kept_layers) for mask in slim_mask.masks.values()),)  # its own measurements
             slim_mask = slim_mask.default_mask
         slim = Verifier(model, slim_mask, logits_processor) if slim_mask is not None else None

@@ -17,13 +17,20 @@ decision). Counts are kept for the whole call, so switching back needs the evide
 Probes start at the ``first_probe``-th slim block and then come every ``probe_every`` slim blocks,
 the alternatives taken in turn; while every alternative is clearly worse, the interval doubles
 (up to ``max_probe_every``). The schedule counts blocks and the tests count tokens, with no
-timing anywhere, so a seeded call is reproducible. The choice is per call: a new prompt is a new
-context, and a call's output never depends on earlier calls.
+timing anywhere, so a seeded call is reproducible.
+
+What is remembered follows ``ViaSDConfig.tier_switching`` (``tier_memory.mask_chooser``): where the
+slim tier's on/off choice is measured and remembered across calls (``"measured"``), so is the
+evidence and the mask chosen, in ``model.viasd_tier_memory``: one short call rarely has enough
+blocks verified by the full model to tell masks apart. Elsewhere (``"fixed"``, the default for
+tiered decoding) every call starts afresh from the set's default, so its output never depends on
+earlier calls.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -59,16 +66,16 @@ class MaskRecord:
 
 @dataclass
 class MaskChooser:
-    """Runs the set's default mask, probes the others in turn, and switches to one that is clearly better."""
+    """The evidence and the choice, which may outlive a call: the running mask, when to probe which other, and the
+    paired counts. Concurrent calls on one model may share it, so it takes a lock."""
 
-    verifiers: dict[str, Verifier]
+    names: list[str]
     running: str
     first_probe: int = 2
     probe_every: int = 4
     max_probe_every: int = 64
     z: float = 2.5
     min_lead: int = 4
-    records: dict[str, MaskRecord] = field(default_factory=dict)
     lead: dict[tuple[str, str], int] = field(default_factory=dict)  # (a, b): rows a won over b minus rows b won
     discordant: dict[tuple[str, str], int] = field(default_factory=dict)  # rows exactly one of a, b agreed
     switches: list[dict[str, Any]] = field(default_factory=list)
@@ -76,57 +83,34 @@ class MaskChooser:
     next_probe: int = 0
     probe_interval: int = 0
     turn: int = 0  # which alternative is probed next
-    probe_seconds: float = 0.0
-    default: str = field(init=False)  # the mask the call started with
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.default = self.running
-        self.records = {name: MaskRecord() for name in self.verifiers}
-        self.probe_interval = self.probe_every
-        self.next_probe = self.first_probe
-
-    @classmethod
-    def for_set(cls, masks: MaskSet, model: nn.Module, logits_processor: LogitsProcessorList, **settings: Any) -> MaskChooser:
-        """A chooser over ``masks`` on ``model``, starting with the set's default; ``settings`` override the schedule."""
-        verifiers = {name: Verifier(model, mask, logits_processor) for name, mask in masks.masks.items()}
-        return cls(verifiers, masks.default, **settings)
+        self.probe_interval = self.probe_interval or self.probe_every
+        self.next_probe = self.next_probe or self.first_probe
 
     @property
     def alternatives(self) -> list[str]:
-        return [name for name in self.verifiers if name != self.running]
+        return [name for name in self.names if name != self.running]
 
-    def tiers(self, tiers: Tiers) -> Tiers:
-        """The block's tiers: the running mask as the slim tier, and the mask to probe when a probe is due."""
-        probe = None
-        if self.slim_blocks >= self.next_probe:
-            probe = self.verifiers[self.alternatives[self.turn % len(self.alternatives)]]
-        return replace(tiers, slim=self.verifiers[self.running], probe=probe)
+    def plan(self) -> tuple[str, str | None]:
+        """The mask to run for the next block, and the one to probe if a probe is due."""
+        with self.lock:
+            due = self.slim_blocks >= self.next_probe
+            return self.running, self.alternatives[self.turn % len(self.alternatives)] if due else None
 
-    def observe(self, block: BlockResult) -> None:
-        """Record a finished block: the running mask's block and agreement, and a probe's outcome when there was one."""
-        if not block.passes["slim"]:
-            return
-        record = self.records[self.running]
-        record.slim_blocks += 1
-        record.escalated_blocks += int(block.escalated)
-        self.slim_blocks += 1
-        check = block.check
-        if check is None:
-            return
-        running = check.agrees()
-        _count(record, running)
-        if check.probe is None:
-            return
-        probed = self.alternatives[self.turn % len(self.alternatives)]
-        self.turn += 1
-        self.probe_seconds += check.probe.seconds
-        self.records[probed].probes += 1
-        other = check.agrees(check.probe)
-        _count(self.records[probed], other)
-        wins = sum(b and not a for a, b in zip(running, other))
-        losses = sum(a and not b for a, b in zip(running, other))
-        self._add(probed, self.running, wins - losses, wins + losses)
-        self._decide(probed)
+    def observe(self, name: str, running: list[bool] | None, probed: str | None, other: list[bool] | None) -> None:
+        """A slim block run with ``name``: its agreement row by row (``None``: not checked), and ``probed``'s on the
+        same rows when it was probed. A block planned before another call switched masks counts, but decides nothing."""
+        with self.lock:
+            self.slim_blocks += 1
+            if running is None or probed is None or other is None or name != self.running or probed == name:
+                return
+            self.turn += 1
+            wins = sum(b and not a for a, b in zip(running, other))
+            losses = sum(a and not b for a, b in zip(running, other))
+            self._add(probed, self.running, wins - losses, wins + losses)
+            self._decide(probed)
 
     def _add(self, a: str, b: str, lead: int, discordant: int) -> None:
         self.lead[(a, b)] = self.lead.get((a, b), 0) + lead
@@ -141,7 +125,7 @@ class MaskChooser:
     def _decide(self, probed: str) -> None:
         if self.clearly_better(probed, self.running):
             self.switches.append({"block": self.slim_blocks, "from": self.running, "to": probed,
-                                  "reason": self._reason(probed, self.running)})
+                                  "reason": self.reason(probed, self.running)})
             self.running = probed
             self.probe_interval = self.probe_every
         elif all(self.clearly_better(self.running, other) for other in self.alternatives):
@@ -150,7 +134,7 @@ class MaskChooser:
             self.probe_interval = self.probe_every
         self.next_probe = self.slim_blocks + self.probe_interval
 
-    def _reason(self, a: str, b: str) -> str:
+    def reason(self, a: str, b: str) -> str:
         lead, discordant = self.lead[(a, b)], self.discordant[(a, b)]
         wins = (discordant + lead) // 2
         return (
@@ -159,19 +143,68 @@ class MaskChooser:
             f"{self.z}·√{discordant} = {self.z * math.sqrt(discordant):.1f})"
         )
 
+
+@dataclass
+class MaskChoice:
+    """One call's side of the choice: the set's verifiers (with this call's logits processors), what each mask did in
+    this call, and the chooser deciding (new, or remembered from earlier calls)."""
+
+    verifiers: dict[str, Verifier]
+    chooser: MaskChooser
+    records: dict[str, MaskRecord] = field(default_factory=dict)
+    probe_seconds: float = 0.0
+    planned: tuple[str, str | None] = ("", None)
+
+    def __post_init__(self) -> None:
+        self.records = {name: MaskRecord() for name in self.verifiers}
+        self.started_with = self.chooser.running
+        self.first_switch = len(self.chooser.switches)
+
+    @classmethod
+    def for_set(cls, masks: MaskSet, model: nn.Module, logits_processor: LogitsProcessorList, chooser: MaskChooser) -> MaskChoice:
+        return cls({name: Verifier(model, mask, logits_processor) for name, mask in masks.masks.items()}, chooser)
+
+    def tiers(self, tiers: Tiers) -> Tiers:
+        """The block's tiers: the running mask as the slim tier, and the mask to probe when a probe is due."""
+        running, probe = self.chooser.plan()
+        self.planned = (running, probe)
+        return replace(tiers, slim=self.verifiers[running], probe=self.verifiers[probe] if probe else None)
+
+    def observe(self, block: BlockResult) -> None:
+        """Record a finished block: the running mask's block and agreement, and a probe's outcome when there was one."""
+        if not block.passes["slim"]:
+            return
+        running, probed = self.planned
+        record = self.records[running]
+        record.slim_blocks += 1
+        record.escalated_blocks += int(block.escalated)
+        check = block.check
+        agrees = check.agrees() if check is not None else None
+        other = check.agrees(check.probe) if check is not None and check.probe is not None else None
+        if agrees is not None:
+            _count(record, agrees)
+        if other is not None:
+            self.probe_seconds += check.probe.seconds
+            self.records[probed].probes += 1
+            _count(self.records[probed], other)
+        self.chooser.observe(running, agrees, probed if other is not None else None, other)
+
     def report(self) -> dict[str, Any]:
-        """What ``viasd_stats.mask_choice`` shows: the mask chosen and why, and every mask's agreement and escalations."""
-        if self.switches:
-            reason = self.switches[-1]["reason"]
+        """What ``viasd_stats.mask_choice`` shows: the mask chosen and why, and every mask's agreement and escalations
+        in this call (``started_with`` is the set's default, or what earlier calls chose when that is remembered)."""
+        switches = self.chooser.switches[self.first_switch :]
+        if switches:
+            reason = switches[-1]["reason"]
         elif not any(record.probes for record in self.records.values()):
-            reason = "kept the default: no alternative was probed (probes wait for blocks the full model verifies)"
+            reason = "kept the mask it started with: no alternative was probed (probes wait for blocks the full model verifies)"
         else:
-            reason = "kept the default: no alternative agreed with the full model clearly more often"
+            reason = "kept the mask it started with: no alternative agreed with the full model clearly more often"
         return {
-            "default": self.default,
-            "chosen": self.running,
+            "default": self.chooser.names[0],
+            "started_with": self.started_with,
+            "chosen": self.chooser.running,
             "reason": reason,
-            "switches": list(self.switches),
+            "switches": switches,
             "masks": {name: record.to_dict() for name, record in self.records.items()},
             "probe_seconds": self.probe_seconds,
         }
