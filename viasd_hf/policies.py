@@ -39,7 +39,7 @@ class SlimCheck:
 
     def agrees(self, view: TierLogits | None = None) -> list[bool]:
         """Whether ``view`` (the slim pass unless given) has the full model's top token, row by row."""
-        rows = (view or self.slim).scores[: self.rows].argmax(-1)
+        rows = (view if view is not None else self.slim).scores[: self.rows].argmax(-1)
         return (rows == self.full.scores[: self.rows].argmax(-1)).tolist()
 
 
