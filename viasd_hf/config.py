@@ -13,6 +13,7 @@ from typing import Any
 
 from .checks import is_int, is_real
 from .hub_mixin import HubMixin
+from .mask_set import MaskSet
 from .masks import RoutingMask
 from .vocabulary.store import DraftVocabulary
 
@@ -65,7 +66,7 @@ class ViaSDConfig(HubMixin):
 
     num_draft_tokens: int = 5
     draft_confidence_threshold: float | None = 0.4  # adaptive=False: as HF assisted generation, stop drafting when unsure
-    routing_mask: RoutingMask | str | None = None
+    routing_mask: RoutingMask | MaskSet | str | None = None  # a MaskSet: the decoder chooses among its masks
     self_draft_mask: RoutingMask | str | None = None
     use_slim: bool = True
     confidence: str = "ratio"
@@ -81,7 +82,8 @@ class ViaSDConfig(HubMixin):
 
     def __post_init__(self) -> None:
         if isinstance(self.routing_mask, dict):
-            self.routing_mask = RoutingMask.from_dict(self.routing_mask)
+            is_set = "masks" in self.routing_mask
+            self.routing_mask = (MaskSet if is_set else RoutingMask).from_dict(self.routing_mask)
         if isinstance(self.self_draft_mask, dict):
             self.self_draft_mask = RoutingMask.from_dict(self.self_draft_mask)
         if isinstance(self.vocabulary, dict):
@@ -147,10 +149,12 @@ class ViaSDConfig(HubMixin):
         for name in ("draft_confidence_threshold", "cascade_lenience"):
             if getattr(self, name) is not None and not is_real(getattr(self, name)):
                 raise _wrong_type(name, "a number or None", getattr(self, name))
-        for name in ("routing_mask", "self_draft_mask"):
-            if not isinstance(getattr(self, name), (RoutingMask, str, os.PathLike, type(None))):
-                expected = "a RoutingMask, a local path or Hub repo id (str), or None"
-                raise _wrong_type(name, expected, getattr(self, name))
+        if not isinstance(self.routing_mask, (RoutingMask, MaskSet, str, os.PathLike, type(None))):
+            expected = "a RoutingMask, a MaskSet, a local path or Hub repo id (str), or None"
+            raise _wrong_type("routing_mask", expected, self.routing_mask)
+        if not isinstance(self.self_draft_mask, (RoutingMask, str, os.PathLike, type(None))):
+            expected = "a RoutingMask, a local path or Hub repo id (str), or None"
+            raise _wrong_type("self_draft_mask", expected, self.self_draft_mask)
         if not isinstance(self.vocabulary, (DraftVocabulary, str, os.PathLike, type(None))):
             expected = "a DraftVocabulary, \"auto\", a local path or Hub repo id (str), or None"
             raise _wrong_type("vocabulary", expected, self.vocabulary)

@@ -11,7 +11,8 @@ One block, as in the paper:
 
 Whether the slim tier runs for a block is the controller's choice (``adaptive.py``), unless the
 tokens the slim tier committed without the full model (its backlog, DESIGN §4) would exceed
-``max_slim_backlog``: then the full model catches up first.
+``max_slim_backlog``: then the full model catches up first. With a ``MaskSet``, which of its masks
+the slim tier runs is the mask chooser's choice (``mask_chooser.py``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from .adaptive import BlockCost, measures_wall_clock
 from .config import ViaSDConfig
 from .draft_planner import DraftPlanner, MeasuredCosts, static_costs
 from .drafters import Drafter
+from .mask_chooser import MaskChoice
+from .mask_set import MaskSet
 from .masks import RoutingMask
 from .policies import BlockResult, Policy, Tiers, VerificationRules, lossless, tiered, two_tier
 from .sampling import RandomStream
 from .state import DecodingState
 from .stats import ViaSDStats
-from .tier_memory import tier_choice
+from .tier_memory import mask_chooser, tier_choice
 from .verifier import TierLogits, Verifier
 from .vocabulary.head import SubsetHead
 
@@ -45,7 +48,7 @@ class ViaSDDecoder:
         model: nn.Module,
         drafter: Drafter,
         config: ViaSDConfig,
-        slim_mask: RoutingMask | None,
+        slim_mask: RoutingMask | MaskSet | None,
         logits_processor: LogitsProcessorList,
         stopping_criteria: StoppingCriteriaList,
         max_length: int,
@@ -67,12 +70,18 @@ class ViaSDDecoder:
         self.check_invariants = check_invariants
         self.stats = ViaSDStats()
         self.rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of this call
+        self.chooser = None
+        drafter_key = (drafter.name, id(getattr(drafter, "model", None)))
+        if isinstance(slim_mask, MaskSet):
+            self.chooser = MaskChoice.for_set(slim_mask, model, logits_processor, slim_head,
+                                              mask_chooser(model, slim_mask, drafter_key, config, do_sample))
+            drafter_key += (tuple(tuple(mask.kept_layers) for mask in slim_mask.masks.values()),)  # its own measurements
+            slim_mask = slim_mask.default_mask
         slim = Verifier(model, slim_mask, logits_processor, slim_head) if slim_mask is not None else None
         self.tiers = Tiers(Verifier(model, None, logits_processor), slim, VerificationRules(config, self.rng))
         self.slim_policy: Policy = lossless if config.mode == "lossless" else tiered
         self.controller = None
         if config.adaptive and slim_mask is not None:
-            drafter_key = (drafter.name, id(getattr(drafter, "model", None)))
             self.controller = tier_choice(model, slim_mask, drafter_key, config, do_sample)
         self._first_switch = len(self.controller.switches) if self.controller is not None else 0
         self.planner = self._draft_planner(model, drafter, config, do_sample) if config.adaptive else None
@@ -98,6 +107,8 @@ class ViaSDDecoder:
             self.streamer.end()
         if self.controller is not None:
             self.stats.tier_switches = self.controller.switches[self._first_switch :]
+        if self.chooser is not None:
+            self.stats.mask_choice = self.chooser.report()
         self.stats.seconds["total"] = time.perf_counter() - started
         return state
 
@@ -117,7 +128,10 @@ class ViaSDDecoder:
         must_catch_up = slim_backlog + len(draft.tokens) + 1 > self.config.max_slim_backlog
         wants_slim = self.controller.use_slim() if self.controller is not None else True
         slim_runs = self.tiers.slim is not None and wants_slim and bool(draft.tokens) and not must_catch_up
-        block = (self.slim_policy if slim_runs else two_tier)(self.tiers, state, draft)
+        tiers = self.chooser.tiers(self.tiers) if self.chooser is not None else self.tiers
+        block = (self.slim_policy if slim_runs else two_tier)(tiers, state, draft)
+        if self.chooser is not None:
+            self.chooser.observe(block)
         self.commit(state, block)
         self.stats.record_block(block, drafted=len(draft.tokens), catch_up=must_catch_up)
         self.stats.peak_slim_backlog = max(self.stats.peak_slim_backlog, state.length - state.target_cache.length - 1)

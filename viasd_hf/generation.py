@@ -44,6 +44,7 @@ from .decoding import ViaSDDecoder
 from .drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
 from .mask_repo import default_masks_repo
 from .mask_cache import cached_mask
+from .mask_set import resolve_slim_masks
 from .masks import RoutingMask
 from .state import DecodingState, ModelInputs, TargetCache
 from .stats import ViaSDStats
@@ -217,7 +218,7 @@ def viasd_generate(
     chosen = build_drafter(model, config, generation_config, logits_processor, drafter, state.target_cache, drafter_head)
     slim_mask = None
     if config.use_slim:
-        slim_mask = resolve_mask(config.routing_mask, model, _drafter_id(drafter))
+        slim_mask = resolve_slim_masks(config.routing_mask, model, _drafter_id(drafter))
     keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     decoder = ViaSDDecoder(

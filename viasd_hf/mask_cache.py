@@ -15,23 +15,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
 
 from torch import nn
 
-from .masks import RoutingMask
+T = TypeVar("T")  # a routing mask, or a mask set (``viasd_hf.mask_set``)
 
-_masks: WeakKeyDictionary[nn.Module, dict[Hashable, RoutingMask]] = WeakKeyDictionary()
+_masks: WeakKeyDictionary[nn.Module, dict[Hashable, Any]] = WeakKeyDictionary()
 _table_lock = threading.Lock()  # guards _masks
 _lookup_lock = threading.Lock()  # one first lookup at a time (it may wait on the Hub; cached reads do not take it)
 
 
-def _cached(model: nn.Module, key: Hashable) -> RoutingMask | None:
+def _cached(model: nn.Module, key: Hashable) -> Any:
     with _table_lock:
         return _masks.get(model, {}).get(key)
 
 
-def cached_mask(model: nn.Module, key: Hashable, lookup: Callable[[], RoutingMask]) -> RoutingMask:
+def cached_mask(model: nn.Module, key: Hashable, lookup: Callable[[], T]) -> T:
     """The mask stored for ``(model, key)``, else ``lookup()``'s, stored (the first call only runs the lookup)."""
     mask = _cached(model, key)
     if mask is not None:

@@ -5,6 +5,9 @@ mirrors its layout::
 
     <target-slug>/<drafter folder>/routing_mask.json
     <target-slug>/<drafter folder>/search_log.jsonl    (when the search left one)
+    <target-slug>/<drafter folder>/mask_set.json       (a set of masks for the pair, when there is one:
+    <target-slug>/<drafter folder>/masks/<name>.json    its index, and its members but the default,
+                                                        which is routing_mask.json; viasd_hf.mask_set)
     README.md                                          (model card listing every pair, generated)
 
 A slug is the model id lowercased with ``/`` replaced by ``--``, so a zoo name such as
@@ -28,12 +31,15 @@ Where a pair's mask is looked up:
   the shipped masks never stand in for an explicit request.
 - by default (``$VIASD_MASKS_REPO``, else the project's repo; ``main``): that repo, then the
   shipped folder, which is only ever read from disk.
+
+In each place, a pair's mask set is looked for before its single mask when both are asked for.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from huggingface_hub import HfApi
 from huggingface_hub.errors import EntryNotFoundError
@@ -41,6 +47,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from .hub_files import HUB_MISSES, Lookup, NotFoundError, describe_miss, fetch, not_found_message
 
 MASK_FILENAME = "routing_mask.json"
+MASK_SET_FILENAME = "mask_set.json"
 SEARCH_LOG_FILENAME = "search_log.jsonl"
 DEFAULT_MASKS_REPO = "viasd-hf/routing-masks"
 MASKS_REPO_ENV = "VIASD_MASKS_REPO"
@@ -92,8 +99,19 @@ def shipped_mask_dir() -> Path:
     return installed if installed.is_dir() else package.parent / "hub_masks"
 
 
-def find_pair_file(api: HfApi, target: str, drafter: str, repo_id: str | None, lookup: Lookup) -> tuple[Path, str]:
-    """The ``(target, drafter)`` pair's mask file and where it was found, in the order of the module docstring.
+class PairFile(NamedTuple):
+    """A pair's file as found: its local copy, where it was found, and its repo and path there (``None`` when shipped)."""
+
+    path: Path
+    where: str
+    repo_id: str | None
+    path_in_repo: str | None
+
+
+def find_pair_file(
+    api: HfApi, target: str, drafter: str, repo_id: str | None, lookup: Lookup, filenames: tuple[str, ...] = (MASK_FILENAME,)
+) -> PairFile:
+    """The first of ``filenames`` found for the ``(target, drafter)`` pair, in the order of the module docstring.
 
     Raises ``NotFoundError`` naming every place it looked.
     """
@@ -101,9 +119,9 @@ def find_pair_file(api: HfApi, target: str, drafter: str, repo_id: str | None, l
     explicit = repo_id is not None or lookup["revision"] is not None
     repo_id = repo_id or default_masks_repo()
     looked: list[str] = []
-    for filename, note in _paths_on_hub(target, drafter):
+    for filename, note in _paths_on_hub(target, drafter, filenames):
         try:
-            return fetch(api, repo_id, filename, lookup)
+            return PairFile(*fetch(api, repo_id, filename, lookup), repo_id, filename)
         except HUB_MISSES as error:
             looked.append(note + describe_miss(api, repo_id, filename, lookup["revision"], error))
             if not isinstance(error, EntryNotFoundError):  # no repo, revision or answer: another path misses alike
@@ -113,18 +131,20 @@ def find_pair_file(api: HfApi, target: str, drafter: str, repo_id: str | None, l
             not_found_message(headline, looked, HOW_TO_GET_A_MASK) + "\nThe masks shipped with viasd_hf are only "
             "used when neither repo_id nor revision is given."
         )
-    shipped = shipped_mask_dir() / mask_path_in_repo(target, drafter)
-    if shipped.is_file():
-        return shipped, f"the masks shipped with viasd_hf ({shipped})"
-    looked.append(f"masks shipped with viasd_hf: no {shipped}")
+    for filename in filenames:
+        shipped = shipped_mask_dir() / pair_folder(target, drafter) / filename
+        if shipped.is_file():
+            return PairFile(shipped, f"the masks shipped with viasd_hf ({shipped})", None, None)
+        looked.append(f"masks shipped with viasd_hf: no {shipped}")
     raise NotFoundError(not_found_message(headline, looked, HOW_TO_GET_A_MASK))
 
 
-def _paths_on_hub(target: str, drafter: str) -> list[tuple[str, str]]:
-    """The pair's mask path in a masks repo, then its path under the drafter folder's legacy name (if it had one)."""
+def _paths_on_hub(target: str, drafter: str, filenames: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The pair's files in a masks repo, then under the drafter folder's legacy name (if it had one)."""
     folder = drafter_folder(drafter)
-    paths = [(mask_path_in_repo(target, drafter), "")]
+    paths = [(f"{pair_folder(target, drafter)}/{filename}", "") for filename in filenames]
     if folder in LEGACY_FOLDERS:
-        legacy = f"{model_slug(target)}/{LEGACY_FOLDERS[folder]}/{MASK_FILENAME}"
-        paths.append((legacy, f"legacy folder {LEGACY_FOLDERS[folder]}/ of {folder}/: "))
+        legacy = f"{model_slug(target)}/{LEGACY_FOLDERS[folder]}"
+        note = f"legacy folder {LEGACY_FOLDERS[folder]}/ of {folder}/: "
+        paths += [(f"{legacy}/{filename}", note) for filename in filenames]
     return paths

@@ -251,10 +251,10 @@ class RoutingMask(HubMixin):
         api = HfApi(endpoint=endpoint, token=token)
         lookup = Lookup(revision=revision, local_files_only=local_files_only, cache_dir=cache_dir)
         try:
-            path, where = find_pair_file(api, target, drafter, repo_id, lookup)
+            found = find_pair_file(api, target, drafter, repo_id, lookup)
         except NotFoundError as error:
             raise RoutingMaskError(str(error)) from error
-        return cls._read(path), where
+        return cls._read(found.path), found.where
 
     def push_to_hub(
         self,
@@ -300,7 +300,7 @@ class RoutingMask(HubMixin):
         """What a push commits on top of ``head``: this mask, the regenerated card, and the search log (or its removal)."""
         files = api.list_repo_files(repo_id, revision=head)
         path = f"{folder}/{MASK_FILENAME}"
-        records = _mask_records(api, repo_id, head, files) | {path: self.to_dict()}
+        records = mask_records(api, repo_id, head, files) | {path: self.to_dict()}
         operations: list[CommitOperation] = [
             CommitOperationAdd(path, self.to_json().encode()),
             CommitOperationAdd(CARD_FILENAME, render_model_card(repo_id, records).encode()),
@@ -331,7 +331,7 @@ def check_pushable(mask: RoutingMask, model: nn.Module | None = None) -> None:
         mask.validate_for(model)
 
 
-def _mask_records(api: HfApi, repo_id: str, revision: str, files: list[str]) -> dict[str, dict[str, Any]]:
+def mask_records(api: HfApi, repo_id: str, revision: str, files: list[str]) -> dict[str, dict[str, Any]]:
     """Every pair's mask record in the repo at ``revision``, keyed by path; unreadable ones are left out with a warning."""
     records = {}
     for path in files:

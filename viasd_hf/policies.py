@@ -24,6 +24,26 @@ from .verifier import TierLogits, Verifier
 
 
 @dataclass
+class SlimCheck:
+    """A slim pass next to the full pass that followed it in the same block: the slim tier's agreement, for free.
+
+    The first ``rows`` rows of both views were scored after the same tokens (all of them unless a
+    lossless repair changed the draft the full model saw). ``probe`` is another mask's pass over
+    the slim pass's draft, when the mask chooser asked for one (``mask_chooser``).
+    """
+
+    slim: TierLogits
+    full: TierLogits
+    rows: int
+    probe: TierLogits | None = None
+
+    def agrees(self, view: TierLogits | None = None) -> list[bool]:
+        """Whether ``view`` (the slim pass unless given) has the full model's top token, row by row."""
+        rows = (view if view is not None else self.slim).scores[: self.rows].argmax(-1)
+        return (rows == self.full.scores[: self.rows].argmax(-1)).tolist()
+
+
+@dataclass
 class BlockResult:
     """What one block commits and what it cost, per tier.
 
@@ -43,6 +63,7 @@ class BlockResult:
     repair_gain: int = 0  # lossless: tokens the slim tier's repair added to the block (−1, 0 or 1)
     passes: dict[str, int] = field(default_factory=lambda: {"slim": 0, "full": 0})
     seconds: dict[str, float] = field(default_factory=lambda: {"slim": 0.0, "full": 0.0})
+    check: SlimCheck | None = None  # a slim pass the full model followed on the same block
 
 
 @dataclass
@@ -88,11 +109,21 @@ class VerificationRules:
 
 @dataclass
 class Tiers:
-    """The two verifying tiers of one call and the rules they verify by."""
+    """The two verifying tiers of one call and the rules they verify by.
+
+    ``probe`` (another mask, set by the mask chooser for a block) scores the slim tier's draft too,
+    but only when the full model is about to score it: measuring costs one routed pass and changes
+    no token.
+    """
 
     full: Verifier
     slim: Verifier | None
     rules: VerificationRules
+    probe: Verifier | None = None
+
+    def probed(self, state: DecodingState, draft: Draft) -> TierLogits | None:
+        """The probed mask's pass over ``draft``; call it only right before the full pass that will score the draft."""
+        return self.probe.score(state, draft.tokens) if self.probe is not None else None
 
 
 Policy = Callable[[Tiers, DecodingState, Draft], BlockResult]
@@ -113,7 +144,8 @@ def tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
         return _after_slim_pass(two_tier(tiers, state, draft), view, escalated=True)
     verdict = accept_prefix(draft, tiers.rules.slim(view), tiers.rules.slim_escalates(view))
     if verdict.escalated:
-        return _after_slim_pass(two_tier(tiers, state, draft), view, escalated=True)
+        probe = tiers.probed(state, draft)
+        return _after_slim_pass(two_tier(tiers, state, draft), view, draft, draft, probe, escalated=True)
     return _decided(draft, verdict, view, "slim")
 
 
@@ -131,11 +163,13 @@ def lossless(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
     repaired = not verdict.escalated and verdict.kept < len(draft.tokens)
     tokens = draft.tokens[: verdict.kept] + [verdict.token] if repaired else list(draft.tokens)
     proposals = slim_target.followed if tiers.rules.sampling else draft.probs[: len(tokens)]
-    block = two_tier(tiers, state, Draft(tokens, proposals))
+    probe = tiers.probed(state, draft)
+    verified = Draft(tokens, proposals)
+    block = two_tier(tiers, state, verified)
     gain = repair_credit(verdict.kept, draft.tokens[verdict.kept], block.tokens) if repaired else 0
     if gain > 0:
         block.made_by[verdict.kept] = "slim"
-    return _after_slim_pass(block, view, regenerated=repaired, repair_gain=gain)
+    return _after_slim_pass(block, view, draft, verified, probe, regenerated=repaired, repair_gain=gain)
 
 
 def repair_credit(position: int, replaced: int, committed: list[int]) -> int:
@@ -168,11 +202,25 @@ def _decided(draft: Draft, verdict: Verdict, view: TierLogits, tier: str) -> Blo
     )
 
 
-def _after_slim_pass(block: BlockResult, view: TierLogits, **changes: object) -> BlockResult:
-    """``block`` (decided by the full model) with the slim pass that preceded it counted in."""
+def _after_slim_pass(
+    block: BlockResult,
+    view: TierLogits,
+    scored: Draft | None = None,
+    verified: Draft | None = None,
+    probe: TierLogits | None = None,
+    **changes: object,
+) -> BlockResult:
+    """``block`` (decided by the full model, which verified ``verified``) with the slim pass over ``scored`` that
+    preceded it counted in, and the two passes side by side (not when the slim pass had no choice to compare)."""
+    check = None
+    if scored is not None and verified is not None:
+        shared = next((i for i, (a, b) in enumerate(zip(scored.tokens, verified.tokens)) if a != b), None)
+        rows = min(len(scored.tokens), len(verified.tokens)) if shared is None else shared
+        check = SlimCheck(view, block.rows, rows + 1, probe)
     return replace(
         block,
         passes=block.passes | {"slim": 1},
         seconds=block.seconds | {"slim": view.seconds},
+        check=check,
         **changes,
     )

@@ -17,7 +17,9 @@ class ViaSDStats:
     """Counts are tokens unless named ``*_forwards`` or ``*_blocks``.
 
     With ``adaptive=True``, ``slim_on_blocks`` / ``slim_off_blocks`` say how often the slim tier
-    was active, and ``tier_switches`` when and why the controller switched it.
+    was active, and ``tier_switches`` when and why the controller switched it. With a mask set,
+    ``mask_choice`` names the mask chosen and why, with every mask's agreement with the full model
+    and escalation rate (``MaskChooser.report``).
 
     ``new_tokens == accepted_tokens + slim_tokens + full_tokens`` unless generation stopped inside
     a block: every committed token was a draft that was accepted (by the slim or the full tier),
@@ -40,10 +42,13 @@ class ViaSDStats:
     full_tokens: int = 0
     slim_committed_tokens: int = 0
     peak_slim_backlog: int = 0
+    slim_agreed_rows: int = 0  # rows where the slim tier's top token was the full model's, where both scored them
+    slim_compared_rows: int = 0
     committed_by: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "slim": 0, "full": 0})
     slim_on_blocks: int = 0
     slim_off_blocks: int = 0
     tier_switches: list[dict] = field(default_factory=list)
+    mask_choice: dict[str, Any] | None = None
     full_forwards: int = 0
     prefill_forwards: int = 0
     slim_forwards: int = 0
@@ -78,6 +83,9 @@ class ViaSDStats:
         self.full_forwards += block.passes["full"]
         for tier in ("slim", "full"):
             self.seconds[tier] += block.seconds[tier]
+        if block.check is not None:
+            self.slim_agreed_rows += sum(block.check.agrees())
+            self.slim_compared_rows += block.check.rows
 
     def record_draft(self, forwards: int, seconds: float) -> None:
         self.drafter_forwards += forwards
@@ -105,6 +113,12 @@ class ViaSDStats:
         return self.escalated_blocks / slim_blocks if slim_blocks and self.slim_forwards else 0.0
 
     @property
+    def slim_agreement(self) -> float | None:
+        """How often the slim tier's top token was the full model's, on the rows both scored (escalated tiered
+        blocks, lossless blocks with the slim tier on): measured for free, ``None`` when there were none."""
+        return self.slim_agreed_rows / self.slim_compared_rows if self.slim_compared_rows else None
+
+    @property
     def decode_full_forwards(self) -> int:
         return self.full_forwards - self.prefill_forwards
 
@@ -122,7 +136,8 @@ class ViaSDStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at_position, self.drafted_at_position)]
 
     def to_dict(self) -> dict[str, Any]:
-        derived = ("rejection_rate", "escalation_rate", "mean_accepted_per_full_call", "full_calls_per_token", "acceptance_by_position")
+        derived = ("rejection_rate", "escalation_rate", "slim_agreement", "mean_accepted_per_full_call",
+                   "full_calls_per_token", "acceptance_by_position")
         return asdict(self) | {name: getattr(self, name) for name in derived}
 
     def summary(self) -> str:

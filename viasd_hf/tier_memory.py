@@ -17,6 +17,8 @@ from torch import nn
 
 from .adaptive import FixedChoice, TierController, measures_wall_clock, new_controller
 from .config import ViaSDConfig
+from .mask_chooser import MaskChooser
+from .mask_set import MaskSet
 from .masks import RoutingMask
 
 ATTRIBUTE = "viasd_tier_memory"
@@ -24,10 +26,12 @@ _CREATING = threading.Lock()  # two first calls on one model must not each creat
 
 
 class TierMemory:
-    """The tier controllers that have been measuring one model, one per (mask, drafter, mode, thresholds)."""
+    """The tier controllers that have been measuring one model, one per (mask, drafter, mode, thresholds), and the
+    mask choosers of mask sets (``mask_chooser``), one per (set, drafter, mode, thresholds)."""
 
     def __init__(self) -> None:
         self._controllers: dict[Hashable, TierController] = {}
+        self._choosers: dict[Hashable, MaskChooser] = {}
         self._lock = threading.Lock()  # concurrent generate calls on one model share it
 
     def controller(self, key: Hashable, mask: RoutingMask, lossless: bool) -> TierController:
@@ -37,16 +41,30 @@ class TierMemory:
                 self._controllers[key] = new_controller(mask, lossless)
             return self._controllers[key]
 
+    def chooser(self, key: Hashable, masks: MaskSet) -> MaskChooser:
+        """The mask chooser remembered under ``key``; a new one, starting with the set's default, the first time."""
+        with self._lock:
+            if key not in self._choosers:
+                self._choosers[key] = MaskChooser(list(masks.masks), masks.default)
+            return self._choosers[key]
+
     @property
     def controllers(self) -> dict[Hashable, TierController]:
         """A snapshot of what is remembered, by key."""
         with self._lock:
             return dict(self._controllers)
 
+    @property
+    def choosers(self) -> dict[Hashable, MaskChooser]:
+        """A snapshot of the mask choosers remembered, by key."""
+        with self._lock:
+            return dict(self._choosers)
+
     def reset(self) -> None:
-        """Forget every measurement: the next call starts from each mask's offline prediction."""
+        """Forget every measurement: the next call starts from each mask's offline prediction and each set's default."""
         with self._lock:
             self._controllers.clear()
+            self._choosers.clear()
 
     def __deepcopy__(self, memo: dict) -> TierMemory:
         return TierMemory()
@@ -76,3 +94,15 @@ def tier_choice(
         return FixedChoice.for_mask(mask, lossless)
     key = (tuple(mask.kept_layers), drafter_key, config.mode, config.tau_accept, config.tau_escalate)
     return tier_memory(model).controller(key, mask, lossless)
+
+
+def mask_chooser(
+    model: nn.Module, masks: MaskSet, drafter_key: Hashable, config: ViaSDConfig, do_sample: bool
+) -> MaskChooser:
+    """What chooses among a set's masks: remembered on the model where the slim tier's on/off choice is (measured
+    ``tier_switching``), else new for the call, so that a reproducible call depends on nothing before it."""
+    if not (config.adaptive and measures_wall_clock(config.tier_switching, config.mode == "lossless", do_sample)):
+        return MaskChooser(list(masks.masks), masks.default)
+    layers = tuple(tuple(mask.kept_layers) for mask in masks.masks.values())
+    key = (layers, tuple(masks.masks), drafter_key, config.mode, config.tau_accept, config.tau_escalate)
+    return tier_memory(model).chooser(key, masks)

@@ -21,6 +21,7 @@ from transformers.generation import candidate_generator
 
 from ..config import ViaSDConfig
 from ..generation import enable_viasd
+from ..mask_set import MaskSet
 from ..masks import RoutingMask
 
 METHODS = (
@@ -29,6 +30,8 @@ METHODS = (
 )
 # HF assisted generation as users run it today, on the unquantised bf16 pair, next to methods on quantised models
 UNQUANTIZED_REFERENCE = "hf_assisted_bf16"
+MASK_SET_METHODS = ("viasd_mask_set",)  # need a mask set, so they run only when asked for
+KNOWN_METHODS = METHODS + MASK_SET_METHODS
 HYBRID_SUFFIX = "_hybrid"  # the same method, drafting by prompt lookup where the context repeats itself
 
 
@@ -149,11 +152,12 @@ class MethodTable:
     self_draft_mask: RoutingMask | None
     settings: MethodSettings = field(default_factory=MethodSettings)
     unquantized: tuple[nn.Module, nn.Module] | None = None  # (target, drafter) in bf16, for UNQUANTIZED_REFERENCE
+    mask_set: MaskSet | None = None  # viasd_mask_set: ``viasd`` choosing among these masks online
 
     def build(self, names: list[str]) -> dict[str, Method]:
-        unknown = [name for name in names if name not in (*METHODS, UNQUANTIZED_REFERENCE)]
+        unknown = [name for name in names if name not in (*KNOWN_METHODS, UNQUANTIZED_REFERENCE)]
         if unknown:
-            raise ValueError(f"unknown bench methods {unknown}; choose from {', '.join(METHODS)}, {UNQUANTIZED_REFERENCE}")
+            raise ValueError(f"unknown bench methods {unknown}; choose from {', '.join(KNOWN_METHODS)}, {UNQUANTIZED_REFERENCE}")
         if UNQUANTIZED_REFERENCE in names and self.unquantized is None:
             raise ValueError(f"{UNQUANTIZED_REFERENCE} needs the unquantised pair (MethodTable.unquantized)")
         if names[0] != "greedy":
@@ -163,6 +167,8 @@ class MethodTable:
                 "self_spec needs a self-drafting mask for this target: pass --self-draft-mask, or find one with "
                 "`viasd search --drafter self --skip-ratio 0.45`, or leave self_spec out of --methods"
             )
+        if "viasd_mask_set" in names and (self.mask_set is None or len(self.mask_set.masks) < 2):
+            raise ValueError("viasd_mask_set needs a mask set of two or more masks: pass --mask-set, or leave it out")
         enable_viasd(self.target)
         return {name: self._method(name) for name in names}
 
@@ -194,8 +200,9 @@ class MethodTable:
             return ViaSDConfig(use_slim=False, cascade_lenience=self.settings.cascade_lenience, **drafting), self.drafter
         if name == "two_tier":
             return ViaSDConfig(use_slim=False, **drafting), self.drafter
-        if name == "viasd":
+        if name in ("viasd", "viasd_mask_set"):
             # the wall-clock controller, so the slim tier runs wherever it pays on this machine; the
             # default ("fixed" for tiered mode) trades that for reproducible output
-            return ViaSDConfig.paper(routing_mask=self.mask, tier_switching="measured", **drafting), self.drafter
+            mask = self.mask_set if name == "viasd_mask_set" else self.mask
+            return ViaSDConfig.paper(routing_mask=mask, tier_switching="measured", **drafting), self.drafter
         return ViaSDConfig(routing_mask=self.mask, mode="lossless", **drafting), self.drafter

@@ -183,9 +183,23 @@ def _work(outcomes: list[Outcome]) -> dict[str, Any]:
 
 
 def _task_work(outcomes: list[Outcome]) -> dict[str, Any]:
-    """Per task: who produced the tokens and, for VIA-SD, how often the slim tier ran and escalated."""
+    """Per task: who produced the tokens and, for VIA-SD, how often the slim tier ran, escalated and agreed with the
+    full model, and which mask of a mask set was chosen (prompts per mask)."""
     work = _work(outcomes)
-    return {key: work[key] for key in ("tier_fractions", "slim_on_fraction", "escalation_rate") if key in work}
+    row = {key: work[key] for key in ("tier_fractions", "slim_on_fraction", "escalation_rate") if key in work}
+    viasd = [o.viasd for o in outcomes if o.viasd is not None]
+    compared = sum(stats["slim_compared_rows"] for stats in viasd)
+    if compared:
+        row["slim_agreement"] = sum(stats["slim_agreed_rows"] for stats in viasd) / compared
+    choices = [stats["mask_choice"] for stats in viasd if stats.get("mask_choice")]
+    if choices:
+        chosen = [choice["chosen"] for choice in choices]
+        row["mask_chosen"] = {name: chosen.count(name) for name in dict.fromkeys(chosen)}
+        row["mask_agreement"] = {  # pooled over prompts: rows compared with the full model, as slim tier or probe
+            name: {key: sum(choice["masks"][name][key] for choice in choices) for key in ("agreed_rows", "compared_rows", "probes")}
+            for name in choices[0]["masks"]
+        }
+    return row
 
 
 def _time_shares(stats: list[dict[str, Any]]) -> dict[str, float]:

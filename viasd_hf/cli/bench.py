@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..bench.methods import METHODS, UNQUANTIZED_REFERENCE, MethodSettings, MethodTable
-from ..bench.report import environment, markdown, per_task_markdown, plots, time_markdown
+from ..bench.methods import KNOWN_METHODS, METHODS, UNQUANTIZED_REFERENCE, MethodSettings, MethodTable
+from ..bench.report import environment, markdown, mask_markdown, per_task_markdown, plots, time_markdown
 from ..bench.tasks import DATASETS, Example, load_examples, load_jsonl
+from ..mask_set import MaskSet
 from ..masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
 from ..quantization import QuantizationChoice, QuantizationUnavailableError, resolve_quantization
 from .args import (
@@ -34,7 +35,7 @@ from .args import (
 
 DRAFTER_METHODS = frozenset({
     "hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless", "two_tier_hybrid", "viasd_hybrid",
-    "viasd_lossless_hybrid", UNQUANTIZED_REFERENCE,
+    "viasd_lossless_hybrid", "viasd_mask_set", UNQUANTIZED_REFERENCE,
 })
 MASK_METHODS = frozenset({"viasd", "viasd_lossless", "viasd_hybrid", "viasd_lossless_hybrid"})  # need a mask for the pair
 
@@ -49,7 +50,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="zoo name, Hub id or local folder")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct", help="assistant model sharing the tokenizer")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(METHODS)}")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(KNOWN_METHODS)}")
     parser.add_argument("--dataset", default="spec_bench", choices=DATASETS)
     parser.add_argument("--prompts", help="JSONL with 'prompt', optional 'reference' and 'task' (instead of --dataset)")
     parser.add_argument("--limit", type=positive_int, help="examples per task (default: all)")
@@ -65,6 +66,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         f"{UNQUANTIZED_REFERENCE} to compare with HF assisted generation on the bf16 pair")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     parser.add_argument("--mask", help="VIA-SD routing mask (folder / JSON / Hub id; default: the mask known for the pair)")
+    parser.add_argument("--mask-set", help="viasd_mask_set's masks (folder / Hub id; default: the pair's set, if known)")
     parser.add_argument("--self-draft-mask", help="self_spec's drafting mask (default: the target's known self mask)")
     parser.add_argument("--gamma", type=positive_int, default=5,
                         help="draft tokens per block for every drafting method of ours")
@@ -119,6 +121,19 @@ def _mask_from(flag: str, source: str) -> RoutingMask:
         raise UsageError(f"{flag} {source}: not a valid routing mask: {first_line(error)}") from None
 
 
+def _mask_set(args: argparse.Namespace) -> MaskSet:
+    """``viasd_mask_set``'s masks: ``--mask-set``, else the pair's set found offline; two or more of them."""
+    source = args.mask_set or (args.target, args.drafter)
+    flag = f"--mask-set {args.mask_set}" if args.mask_set else "--mask-set"
+    try:
+        masks = MaskSet.from_pretrained(source, local_files_only=not args.mask_set)
+    except MALFORMED_MASK_ERRORS as error:  # not found (with where it looked) or malformed
+        raise UsageError(f"{flag}: {first_line(error)}") from None
+    if len(masks.masks) < 2:
+        raise UsageError(f"--mask-set: {source} holds one mask; viasd_mask_set chooses among two or more")
+    return masks
+
+
 def _examples(args: argparse.Namespace) -> list[Example]:
     try:
         examples = load_jsonl(args.prompts, args.limit) if args.prompts else load_examples(args.dataset, args.limit)
@@ -133,10 +148,10 @@ def _examples(args: argparse.Namespace) -> list[Example]:
 
 def _method_names(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",")]
-    unknown = [name for name in names if name not in (*METHODS, UNQUANTIZED_REFERENCE)]
+    unknown = [name for name in names if name not in (*KNOWN_METHODS, UNQUANTIZED_REFERENCE)]
     if unknown:
         raise UsageError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; "
-                         f"choose from {', '.join(METHODS)}, {UNQUANTIZED_REFERENCE}")
+                         f"choose from {', '.join(KNOWN_METHODS)}, {UNQUANTIZED_REFERENCE}")
     if names[0] != "greedy":
         raise UsageError("--methods: the first method must be greedy: every speed-up and agreement is measured against it")
     if len(set(names)) != len(names):
@@ -182,6 +197,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from ..bench.runner import machine_bandwidth_gb_s, run_methods, summarise
 
     names, examples, mask, self_mask = check_bench_args(args)
+    mask_set = _mask_set(args) if "viasd_mask_set" in names else None
     if args.threads:
         torch.set_num_threads(args.threads)
     quantized = _quantization(args)
@@ -190,14 +206,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
     unquantized = None
     if UNQUANTIZED_REFERENCE in names:
         unquantized = (load_model(args.target, "bfloat16", "--target")[0], load_model(args.drafter, "bfloat16", "--drafter")[0])
-    for flag, known in (("--mask", mask), ("--self-draft-mask", self_mask)):
+    for flag, known in (("--mask", mask), ("--self-draft-mask", self_mask), ("--mask-set", mask_set)):
         try:
             if known is not None:
                 known.validate_for(target)
         except RoutingMaskError as error:
             raise UsageError(f"{flag}: {first_line(error)}") from None
     settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens)
-    methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized).build(names)
+    methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set).build(names)
     runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature)
     weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if name in DRAFTER_METHODS else 0) for name in names}
     if unquantized:
@@ -206,12 +222,17 @@ def run_bench_command(args: argparse.Namespace) -> int:
     env = environment(machine_bandwidth_gb_s())
     if args.json:  # first, so that nothing printed below can lose the run
         report = _report(args, summary, env, examples, mask, self_mask, runs, tokenizer, quantized)
+        report["masks"]["mask_set"] = mask_set.to_dict() if mask_set else None
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(summary))
     print()
     print("Speed-up over greedy per task:")
     print(per_task_markdown(summary))
+    masks_table = mask_markdown(summary)
+    if masks_table.count("\n") > 1:
+        print("\nPer task: mask chosen (prompts per mask) · slim agreement with the full model · escalation rate:")
+        print(masks_table)
     print("\nWhere the time goes (our decoders, from their own timers):")
     print(time_markdown(summary))
     for role, choice in quantized.items():
