@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
-from viasd_hf.bench.methods import METHODS, MethodTable, Outcome
+from viasd_hf.bench.methods import METHODS, MethodName, MethodTable, Outcome
 from viasd_hf.bench.runner import MethodRuns, agreement, run_methods, summarise
 from viasd_hf.bench.tasks import Example
 from viasd_hf.cli import main
@@ -113,6 +113,29 @@ def test_every_method_runs_and_reports_what_it_did(table):
     assert outcomes["hf_assisted"].accepted == outcomes["hf_assisted"].drafted > 0  # an identical drafter is never wrong
     assert outcomes["hf_assisted"].full_forwards < 12
     assert outcomes["viasd"].viasd["slim_forwards"] > 0
+
+
+def test_method_names_read_as_base_hybrid_and_ablated_levers():
+    assert MethodName.parse("viasd_lossless_hybrid_fullvocab_nocost") == MethodName(
+        "viasd_lossless", hybrid=True, ablations=("_fullvocab", "_nocost"))
+    assert MethodName.parse("two_tier_hybrid") == MethodName("two_tier", hybrid=True)
+    assert MethodName.parse("hf_assisted_bf16") == MethodName("hf_assisted_bf16")
+    for wrong in ("hf_assisted_fullvocab", "greedy_hybrid", "viasd_fullvocab_fullvocab", "viasd_hybrid_hybrid", "fast"):
+        assert MethodName.parse(wrong) is None, wrong
+    with pytest.raises(ValueError, match="_nocost"):
+        MethodTable(None, None, None, None).build(["greedy", "hf_assisted_nocost"])
+
+
+def test_ablated_methods_switch_off_their_lever_and_stay_lossless(table):
+    methods = table.build(["greedy", "viasd_lossless_nocost", "viasd_lossless_hybrid_fullvocab_nocost", "viasd_fullvocab"])
+    ids = torch.tensor([[3, 17, 5, 3, 17, 5, 3, 17]])
+    common = {"max_new_tokens": 12, "do_sample": False, "return_dict_in_generate": True, "pad_token_id": 0}
+    outcomes = {name: method(ids, common) for name, method in methods.items()}
+    for name in ("viasd_lossless_nocost", "viasd_lossless_hybrid_fullvocab_nocost"):
+        assert outcomes[name].tokens == outcomes["greedy"].tokens, name
+        # without the cost model the slim tier is never switched off
+        assert outcomes[name].viasd["slim_off_blocks"] == 0 and outcomes[name].viasd["slim_forwards"] > 0, name
+    assert outcomes["viasd_fullvocab"].viasd["slim_forwards"] > 0
 
 
 def test_run_methods_interleaves_and_keeps_every_repeat(table):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,39 @@ UNQUANTIZED_REFERENCE = "hf_assisted_bf16"
 MASK_SET_METHODS = ("viasd_mask_set",)  # need a mask set, so they run only when asked for
 KNOWN_METHODS = METHODS + MASK_SET_METHODS
 HYBRID_SUFFIX = "_hybrid"  # the same method, drafting by prompt lookup where the context repeats itself
+# One lever of our decoders switched off, for an ablation side by side: append to any of our methods
+# (after ``_hybrid``), e.g. ``viasd_lossless_hybrid_fullvocab``.
+ABLATIONS = {
+    "_fullvocab": "the whole vocabulary in the drafter and slim tier (vocabulary=None)",
+    "_nocost": "no cost model: the fixed draft rule and the slim tier always on (adaptive=False)",
+}
+OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set")
+
+
+@dataclass(frozen=True)
+class MethodName:
+    """A bench method's name read as base decoder + prompt-lookup hybrid + ablated levers."""
+
+    base: str
+    hybrid: bool = False
+    ablations: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, name: str) -> MethodName | None:
+        """The parts of ``name``, or ``None`` when it names no method (unknown base, repeated or misplaced suffix)."""
+        ablations: list[str] = []
+        while suffix := next((s for s in ABLATIONS if name.endswith(s) and s not in ablations), None):
+            ablations.insert(0, suffix)
+            name = name.removesuffix(suffix)
+        hybrid = name.endswith(HYBRID_SUFFIX) and name.removesuffix(HYBRID_SUFFIX) in OUR_METHODS
+        base = name.removesuffix(HYBRID_SUFFIX) if hybrid else name
+        if base in (*KNOWN_METHODS, UNQUANTIZED_REFERENCE) and (base in OUR_METHODS or not ablations):
+            return cls(base, hybrid, tuple(ablations))
+        return None
+
+
+def is_method(name: str) -> bool:
+    return MethodName.parse(name) is not None
 
 
 @dataclass
@@ -155,9 +188,10 @@ class MethodTable:
     mask_set: MaskSet | None = None  # viasd_mask_set: ``viasd`` choosing among these masks online
 
     def build(self, names: list[str]) -> dict[str, Method]:
-        unknown = [name for name in names if name not in (*KNOWN_METHODS, UNQUANTIZED_REFERENCE)]
+        unknown = [name for name in names if not is_method(name)]
         if unknown:
-            raise ValueError(f"unknown bench methods {unknown}; choose from {', '.join(KNOWN_METHODS)}, {UNQUANTIZED_REFERENCE}")
+            raise ValueError(f"unknown bench methods {unknown}; choose from {', '.join(KNOWN_METHODS)}, "
+                             f"{UNQUANTIZED_REFERENCE}, with {HYBRID_SUFFIX} and {', '.join(ABLATIONS)} on ours")
         if UNQUANTIZED_REFERENCE in names and self.unquantized is None:
             raise ValueError(f"{UNQUANTIZED_REFERENCE} needs the unquantised pair (MethodTable.unquantized)")
         if names[0] != "greedy":
@@ -167,18 +201,22 @@ class MethodTable:
                 "self_spec needs a self-drafting mask for this target: pass --self-draft-mask, or find one with "
                 "`viasd search --drafter self --skip-ratio 0.45`, or leave self_spec out of --methods"
             )
-        if "viasd_mask_set" in names and (self.mask_set is None or len(self.mask_set.masks) < 2):
+        if "viasd_mask_set" in {MethodName.parse(name).base for name in names} and (self.mask_set is None or len(self.mask_set.masks) < 2):
             raise ValueError("viasd_mask_set needs a mask set of two or more masks: pass --mask-set, or leave it out")
         enable_viasd(self.target)
         return {name: self._method(name) for name in names}
 
     def _method(self, name: str) -> Method:
-        if name.endswith(HYBRID_SUFFIX):
-            config, drafter = self._viasd_setup(name.removesuffix(HYBRID_SUFFIX))
-            return _viasd_method(self.target, config, drafter, prompt_lookup_num_tokens=self.settings.prompt_lookup_tokens)
-        if name in ("greedy", "hf_assisted", "hf_prompt_lookup", UNQUANTIZED_REFERENCE):
+        method = MethodName.parse(name)
+        if method.base in ("greedy", "hf_assisted", "hf_prompt_lookup", UNQUANTIZED_REFERENCE):
             return self._hf_baseline(name)
-        return _viasd_method(self.target, *self._viasd_setup(name))
+        config, drafter = self._viasd_setup(method.base)
+        if "_fullvocab" in method.ablations:
+            config = replace(config, vocabulary=None)
+        if "_nocost" in method.ablations:
+            config = replace(config, adaptive=False)
+        extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
+        return _viasd_method(self.target, config, drafter, **extra)
 
     def _hf_baseline(self, name: str) -> Method:
         target, drafter = self.target, self.drafter

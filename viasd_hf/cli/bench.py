@@ -12,7 +12,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..bench.methods import KNOWN_METHODS, METHODS, UNQUANTIZED_REFERENCE, MethodSettings, MethodTable
+from ..bench.methods import (
+    ABLATIONS,
+    HYBRID_SUFFIX,
+    KNOWN_METHODS,
+    METHODS,
+    UNQUANTIZED_REFERENCE,
+    MethodName,
+    MethodSettings,
+    MethodTable,
+    is_method,
+)
 from ..bench.report import environment, markdown, mask_markdown, per_task_markdown, plots, time_markdown
 from ..bench.tasks import DATASETS, Example, load_examples, load_jsonl
 from ..mask_set import MaskSet
@@ -33,11 +43,15 @@ from .args import (
     quantize_spec,
 )
 
+# base decoders (MethodName.base) that draft with the drafter model / need a routing mask for the pair
 DRAFTER_METHODS = frozenset({
-    "hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless", "two_tier_hybrid", "viasd_hybrid",
-    "viasd_lossless_hybrid", "viasd_mask_set", UNQUANTIZED_REFERENCE,
+    "hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set", UNQUANTIZED_REFERENCE,
 })
-MASK_METHODS = frozenset({"viasd", "viasd_lossless", "viasd_hybrid", "viasd_lossless_hybrid"})  # need a mask for the pair
+MASK_METHODS = frozenset({"viasd", "viasd_lossless"})
+
+
+def _bases(names: list[str]) -> set[str]:
+    return {MethodName.parse(name).base for name in names}
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -148,10 +162,11 @@ def _examples(args: argparse.Namespace) -> list[Example]:
 
 def _method_names(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",")]
-    unknown = [name for name in names if name not in (*KNOWN_METHODS, UNQUANTIZED_REFERENCE)]
+    unknown = [name for name in names if not is_method(name)]
     if unknown:
         raise UsageError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; "
-                         f"choose from {', '.join(KNOWN_METHODS)}, {UNQUANTIZED_REFERENCE}")
+                         f"choose from {', '.join(KNOWN_METHODS)}, {UNQUANTIZED_REFERENCE}, "
+                         f"with {HYBRID_SUFFIX} and {', '.join(ABLATIONS)} on ours")
     if names[0] != "greedy":
         raise UsageError("--methods: the first method must be greedy: every speed-up and agreement is measured against it")
     if len(set(names)) != len(names):
@@ -173,7 +188,7 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
         check_output_dir(args.plots, "--plots")
     examples = _examples(args)
     mask = _mask_from("--mask", args.mask) if args.mask else _known_mask(args.target, (args.drafter,))
-    if mask is None and MASK_METHODS & set(names):
+    if mask is None and MASK_METHODS & _bases(names):
         raise UsageError(
             f"no routing mask is known for ({args.target}, {args.drafter}): pass --mask, find one with "
             f"`viasd search --target {args.target} --drafter {args.drafter}`, or leave viasd and viasd_lossless "
@@ -197,7 +212,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from ..bench.runner import machine_bandwidth_gb_s, run_methods, summarise
 
     names, examples, mask, self_mask = check_bench_args(args)
-    mask_set = _mask_set(args) if "viasd_mask_set" in names else None
+    mask_set = _mask_set(args) if "viasd_mask_set" in _bases(names) else None
     if args.threads:
         torch.set_num_threads(args.threads)
     quantized = _quantization(args)
@@ -215,7 +230,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens)
     methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set).build(names)
     runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature)
-    weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if name in DRAFTER_METHODS else 0) for name in names}
+    weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0) for name in names}
     if unquantized:
         weights[UNQUANTIZED_REFERENCE] = sum(map(_weight_bytes, unquantized))
     summary = summarise(runs, examples, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), weights)
