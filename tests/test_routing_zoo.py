@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from conftest import zoo, without_layers
 from test_routing import count_submodule_calls
-from viasd_hf import RoutingMask, RoutingMaskError, routed
+from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, enable_viasd, routed
 from viasd_hf.architectures import decoder_layers, protected_layers
+from viasd_hf.mask_set import resolve_slim_masks
 
 pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[1]
 
 PROMPT = "Write a Python function that reverses a string."
 
@@ -57,3 +61,20 @@ def test_smollm2_mask_refuses_gemma3():
     assert mask.target_id == "smollm2-135m-instruct"
     with pytest.raises(RoutingMaskError, match="30-layer model"):
         mask.validate_for(gemma)
+
+
+def test_the_shipped_smollm2_mask_set_is_found_for_model_free_drafting_and_decodes_losslessly():
+    """The pair's shipped set (general + family masks) is what ``routing_mask=None`` resolves to."""
+    model, tokenizer = zoo("smollm2-135m-instruct")
+    masks = resolve_slim_masks(None, model, "self")
+    assert isinstance(masks, MaskSet) and masks.default == "general" and {"chat-qa", "code"} <= set(masks.masks)
+    masks.validate_for(model)
+    assert masks.default_mask == RoutingMask.from_pretrained(REPO / "hub_masks" / "smollm2-135m-instruct" / "model-free")
+    ids = chat_ids(tokenizer)
+    enable_viasd(model)
+    common = {"max_new_tokens": 24, "do_sample": False, "return_dict_in_generate": True}
+    reference = model.generate(ids, **common).sequences
+    # adaptive=False: the slim tier runs every block, so the chooser sees the full model's verdicts
+    out = model.generate(ids, viasd_config=ViaSDConfig(mode="lossless", adaptive=False), prompt_lookup_num_tokens=4, **common)
+    assert torch.equal(out.sequences, reference)
+    assert out.viasd_stats.mask_choice is not None and out.viasd_stats.mask_choice["started_with"] == "general"
