@@ -214,7 +214,7 @@ class MethodTable:
         if "_fullvocab" in method.ablations:
             config = replace(config, vocabulary=None)
         if "_nocost" in method.ablations:
-            config = replace(config, adaptive=False)
+            config = replace(config, adaptive=False, tier_switching="auto")  # "measured" switching needs the cost model
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
         return _viasd_method(self.target, config, drafter, **extra)
 
