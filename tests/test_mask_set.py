@@ -287,3 +287,18 @@ def test_the_bench_reports_the_mask_chosen_next_to_the_static_mask(target, draft
         assert sum(online["mask_chosen"].values()) == 1 and "mask_chosen" not in summary["viasd"]["per_task"][task]
     table_text = mask_markdown(summary)
     assert "| viasd_mask_set |" in table_text and "greedy" not in table_text
+
+
+def test_the_mask_table_keeps_decoders_whose_slim_tier_always_runs():
+    """``adaptive=False`` (bench ``_nocost``) has no on/off share, yet its slim tier ran: it belongs in the table."""
+    from viasd_hf.bench.report import mask_markdown
+
+    work = {"mask_chosen": {"general": 2}, "slim_agreement": 0.5, "escalation_rate": 0.25}
+    summary = {
+        "greedy": {"per_task": {"qa": {}}},
+        "two_tier": {"per_task": {"qa": {}}, "slim_on_fraction": None, "slim_forwards_per_token": 0.0},
+        "viasd_mask_set_nocost": {"per_task": {"qa": work}, "slim_on_fraction": None, "slim_forwards_per_token": 0.3},
+    }
+    table = mask_markdown(summary)
+    assert "| viasd_mask_set_nocost | general ×2 · 0.50 · 0.25 |" in table
+    assert "two_tier" not in table and "greedy" not in table

@@ -66,7 +66,7 @@ def mask_markdown(summary: dict[str, dict[str, Any]]) -> str:
             work = row["per_task"][task]
             chosen = ", ".join(f"{mask} ×{count}" for mask, count in work.get("mask_chosen", {}).items()) or "static"
             cells.append(f"{chosen} · {_cell(work.get('slim_agreement'))} · {_cell(work.get('escalation_rate'))}")
-        if row.get("slim_on_fraction") is not None:  # our decoders with a slim tier
+        if row.get("slim_on_fraction") is not None or (row.get("slim_forwards_per_token") or 0) > 0:  # with a slim tier
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
