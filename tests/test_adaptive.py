@@ -244,6 +244,7 @@ def test_a_lossless_slim_tier_whose_layers_alone_cost_too_much_is_never_run():
     controller = TierController(slim_on=False, estimate=RepairLedger(kept_fraction=0.86))
     choices = drive_lossless(controller, 3000, slim_share=0.4, repair_rate=0.3, full_share=0.45)
     assert not any(choices)
+    assert controller.verdict().startswith("off: it cannot pay even at best")
     optimistic = TierController(slim_on=False, estimate=RepairLedger(kept_fraction=0.1))
     assert any(drive_lossless(optimistic, 100, slim_share=0.4, repair_rate=0.3, full_share=0.45)), "it is probed"
 
@@ -254,6 +255,7 @@ def test_lossless_repairs_that_pay_turn_the_slim_tier_on():
     choices = drive_lossless(controller, 400, slim_share=0.15, repair_rate=0.8, tokens=(1, 2))
     assert controller.switches and controller.switches[0]["slim_tier"] == "on"
     assert "tokens per block" in controller.switches[0]["reason"]
+    assert controller.verdict().startswith("on: slim pass")
     assert sum(choices[-200:]) > 0.9 * 200
 
 
@@ -279,6 +281,7 @@ def test_a_lossless_slim_tier_that_cannot_pay_is_probed_at_most_once_on_smollm2(
                            prompt_lookup_num_tokens=4).viasd_stats
     assert not stats.tier_switches
     assert stats.slim_on_blocks <= TierController.max_probe_blocks < stats.slim_off_blocks
+    assert stats.slim_tier_verdict.startswith("off")
 
 
 def drive_noisy(controller: TierController, slim_cost: float, seed: int, blocks: int = 2000) -> list[bool]:
@@ -348,6 +351,7 @@ def test_fixed_tier_switching_runs_the_slim_tier_as_the_mask_predicts_and_measur
     mask.metadata["insertion"] = {"delta": -0.05}
     stats, measured = generate_stats(target, mask, {"mode": "tiered"}, do_sample)
     assert not measured and stats.slim_on_blocks == 0 < stats.slim_off_blocks, "predicted not to pay"
+    assert stats.slim_tier_verdict.startswith("off: fixed for the call")
     stats, measured = generate_stats(target, mask, {"mode": "lossless", "tier_switching": "fixed"}, do_sample)
     assert not measured and stats.slim_on_blocks == 0 < stats.slim_off_blocks, "lossless: off, as a controller starts"
 

@@ -105,6 +105,13 @@ class TierController:
         else:
             self._back_off()
 
+    def verdict(self) -> str:
+        """Where the slim tier stands and why, in words: what ``viasd_stats.slim_tier_verdict`` reports."""
+        state = "on" if self.slim_on else "off"
+        if not self.slim_on and not self._slim_could_win():
+            return f"off: it cannot pay even at best (best case {self.estimate.best_case_ratio():.2f} of two-tier cost)"
+        return f"{state}: {self.estimate.describe()}"
+
     def _slim_could_win(self) -> bool:
         best = self.estimate.best_case_ratio()
         return best is None or best < 1 - self.margin
@@ -189,6 +196,10 @@ class FixedChoice:
 
     def use_slim(self) -> bool:
         return self.slim_on
+
+    def verdict(self) -> str:
+        why = "the mask's offline prediction" if self.slim_on else "lossless mode or the mask's offline prediction"
+        return f"{'on' if self.slim_on else 'off'}: fixed for the call by {why} (tier_switching='fixed')"
 
     def observe(self, block: BlockCost) -> None:
         """Nothing measured changes a fixed choice."""

@@ -107,6 +107,7 @@ class ViaSDDecoder:
             self.streamer.end()
         if self.controller is not None:
             self.stats.tier_switches = self.controller.switches[self._first_switch :]
+            self.stats.slim_tier_verdict = self.controller.verdict()
         if self.chooser is not None:
             self.stats.mask_choice = self.chooser.report()
         self.stats.seconds["total"] = time.perf_counter() - started

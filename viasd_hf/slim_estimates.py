@@ -156,11 +156,12 @@ class WallClock:
         return (draft + slim) / slim_tokens / ((draft + full) / two_tier_tokens)
 
     def describe(self) -> str:
-        on, off = self.on, self.off
-        return (
-            f"{on.seconds_per_token * 1000:.1f} ± {on.seconds_per_token_error * 1000:.1f} ms/token with the slim tier "
-            f"vs {off.seconds_per_token * 1000:.1f} ± {off.seconds_per_token_error * 1000:.1f} ms/token without"
-        )
+        def cost(regime: Regime) -> str:
+            if regime.seconds_per_token is None:
+                return "not measured"
+            return f"{regime.seconds_per_token * 1000:.1f} ± {regime.seconds_per_token_error * 1000:.1f} ms/token"
+
+        return f"{cost(self.on)} with the slim tier vs {cost(self.off)} without"
 
 
 @dataclass
@@ -207,7 +208,8 @@ class RepairLedger:
 
     def describe(self) -> str:
         base, repairs = self.base, self.repairs
-        return (
-            f"slim pass {repairs.seconds_per_block * 1000:.1f} ms for {repairs.tokens_per_block:+.2f} tokens per block "
-            f"vs {base.seconds_per_block * 1000:.1f} ms for {base.tokens_per_block:.2f} tokens without it"
-        )
+        if base.seconds_per_block is None:
+            return "nothing measured yet"
+        slim = ("slim pass not measured" if repairs.seconds_per_block is None else
+                f"slim pass {repairs.seconds_per_block * 1000:.1f} ms for {repairs.tokens_per_block:+.2f} tokens per block")
+        return f"{slim} vs {base.seconds_per_block * 1000:.1f} ms for {base.tokens_per_block:.2f} tokens without it"

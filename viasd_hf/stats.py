@@ -17,7 +17,8 @@ class ViaSDStats:
     """Counts are tokens unless named ``*_forwards`` or ``*_blocks``.
 
     With ``adaptive=True``, ``slim_on_blocks`` / ``slim_off_blocks`` say how often the slim tier
-    was active, and ``tier_switches`` when and why the controller switched it. With a mask set,
+    was active, ``tier_switches`` when and why the controller switched it, and ``slim_tier_verdict``
+    where it stood at the end of the call and why. With a mask set,
     ``mask_choice`` names the mask chosen and why, with every mask's agreement with the full model
     and escalation rate (``MaskChooser.report``).
 
@@ -48,6 +49,7 @@ class ViaSDStats:
     slim_on_blocks: int = 0
     slim_off_blocks: int = 0
     tier_switches: list[dict] = field(default_factory=list)
+    slim_tier_verdict: str | None = None
     mask_choice: dict[str, Any] | None = None
     full_forwards: int = 0
     prefill_forwards: int = 0

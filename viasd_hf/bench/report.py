@@ -71,6 +71,16 @@ def mask_markdown(summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def verdict_lines(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """Per method and task, where the slim tier's on/off choice stood after the task's last prompt, and why."""
+    return [
+        f"- {name} · {task}: {work['slim_tier_verdict']}"
+        for name, row in summary.items()
+        for task, work in row.get("per_task", {}).items()
+        if work.get("slim_tier_verdict")
+    ]
+
+
 def time_markdown(summary: dict[str, dict[str, Any]]) -> str:
     """Where each of our decoders spends its time, with the work per token that explains it."""
     lines = ["| method | drafter | slim passes | full passes | loop overhead | full calls / token | slim passes / token "

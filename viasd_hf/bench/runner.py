@@ -184,13 +184,16 @@ def _work(outcomes: list[Outcome]) -> dict[str, Any]:
 
 def _task_work(outcomes: list[Outcome]) -> dict[str, Any]:
     """Per task: who produced the tokens and, for VIA-SD, how often the slim tier ran, escalated and agreed with the
-    full model, and which mask of a mask set was chosen (prompts per mask)."""
+    full model, where its on/off choice stood at the end and why, and which mask of a mask set was chosen."""
     work = _work(outcomes)
     row = {key: work[key] for key in ("tier_fractions", "slim_on_fraction", "escalation_rate") if key in work}
     viasd = [o.viasd for o in outcomes if o.viasd is not None]
     compared = sum(stats["slim_compared_rows"] for stats in viasd)
     if compared:
         row["slim_agreement"] = sum(stats["slim_agreed_rows"] for stats in viasd) / compared
+    verdicts = [stats["slim_tier_verdict"] for stats in viasd if stats.get("slim_tier_verdict")]
+    if verdicts:  # the controller's state carries over between prompts: the last one speaks for the task
+        row["slim_tier_verdict"] = verdicts[-1]
     choices = [stats["mask_choice"] for stats in viasd if stats.get("mask_choice")]
     if choices:
         chosen = [choice["chosen"] for choice in choices]

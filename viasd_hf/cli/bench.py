@@ -23,7 +23,7 @@ from ..bench.methods import (
     MethodTable,
     is_method,
 )
-from ..bench.report import environment, markdown, mask_markdown, per_task_markdown, plots, time_markdown
+from ..bench.report import environment, markdown, mask_markdown, per_task_markdown, plots, time_markdown, verdict_lines
 from ..bench.tasks import DATASETS, Example, load_examples, load_jsonl
 from ..mask_set import MaskSet
 from ..masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
@@ -250,6 +250,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print(masks_table)
     print("\nWhere the time goes (our decoders, from their own timers):")
     print(time_markdown(summary))
+    verdicts = verdict_lines(summary)
+    if verdicts:
+        print("\nThe slim tier after each task's last prompt, and why:")
+        print("\n".join(verdicts))
     for role, choice in quantized.items():
         print(f"{role} quantised: {choice.scheme.name} ({choice.reason})")
     print(f"\n{env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {args.dtype} · "
