@@ -244,7 +244,7 @@ def test_a_lossless_slim_tier_whose_layers_alone_cost_too_much_is_never_run():
     controller = TierController(slim_on=False, estimate=RepairLedger(kept_fraction=0.86))
     choices = drive_lossless(controller, 3000, slim_share=0.4, repair_rate=0.3, full_share=0.45)
     assert not any(choices)
-    assert controller.verdict().startswith("off: it cannot pay even at best")
+    assert controller.verdict().startswith("off: even with no escalation it would cost")
     optimistic = TierController(slim_on=False, estimate=RepairLedger(kept_fraction=0.1))
     assert any(drive_lossless(optimistic, 100, slim_share=0.4, repair_rate=0.3, full_share=0.45)), "it is probed"
 

@@ -109,7 +109,9 @@ class TierController:
         """Where the slim tier stands and why, in words: what ``viasd_stats.slim_tier_verdict`` reports."""
         state = "on" if self.slim_on else "off"
         if not self.slim_on and not self._slim_could_win():
-            return f"off: it cannot pay even at best (best case {self.estimate.best_case_ratio():.2f} of two-tier cost)"
+            best = self.estimate.best_case_ratio()
+            return (f"off: even with no escalation it would cost {best:.2f} of two-tier decoding per token, "
+                    f"not below the {1 - self.margin:.2f} a switch needs")
         return f"{state}: {self.estimate.describe()}"
 
     def _slim_could_win(self) -> bool:
