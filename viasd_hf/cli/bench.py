@@ -64,7 +64,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="zoo name, Hub id or local folder")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct", help="assistant model sharing the tokenizer")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(KNOWN_METHODS)}")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(KNOWN_METHODS)}; ours also with "
+                        f"{HYBRID_SUFFIX} and/or the ablations {', '.join(ABLATIONS)} appended")
     parser.add_argument("--dataset", default="spec_bench", choices=DATASETS)
     parser.add_argument("--prompts", help="JSONL with 'prompt', optional 'reference' and 'task' (instead of --dataset)")
     parser.add_argument("--limit", type=positive_int, help="examples per task (default: all)")
