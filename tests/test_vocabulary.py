@@ -12,7 +12,7 @@ from huggingface_hub import constants
 from conftest import VOCAB, tiny_causal_lm
 from hub_server import serve
 from test_sampling import N, exact_two_token_distribution, next_probs, processors, total_variation
-from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, hub_files
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, hub_files, mask_repo
 from viasd_hf.accept import Draft
 from viasd_hf.architectures import config_fingerprint
 from viasd_hf.decoding import ViaSDDecoder
@@ -21,7 +21,6 @@ from viasd_hf.generation import initial_state
 from viasd_hf.policies import Tiers, VerificationRules, tiered
 from viasd_hf.verifier import Verifier
 from viasd_hf.vocabulary import DraftVocabulary, DraftVocabularyError
-from viasd_hf.vocabulary import store
 from viasd_hf.vocabulary.build import choose_size, coverage, rank_tokens
 from viasd_hf.vocabulary.head import SubsetHead
 from viasd_hf.vocabulary.lookup import clear_vocabulary_cache, resolve_vocabulary
@@ -241,7 +240,7 @@ def test_round_trips_through_a_folder_and_a_viasd_config(tmp_path):
 
 def test_auto_finds_the_shipped_vocabulary_of_the_pair_and_misses_quietly(tmp_path, monkeypatch, prompt_ids):
     llama = enable_viasd(tiny_causal_lm("llama"))
-    monkeypatch.setattr(store, "shipped_mask_dir", lambda: tmp_path)
+    monkeypatch.setattr(mask_repo, "shipped_mask_dir", lambda: tmp_path)
     clear_vocabulary_cache()
     assert resolve_vocabulary("auto", llama, "self") is None
     shipped = vocabulary_for(llama)
@@ -264,7 +263,7 @@ def test_a_vocabulary_round_trips_through_the_hub_beside_the_pairs_mask(tmp_path
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setenv("HF_TOKEN", "hf_fake_token_for_the_test_hub")
-    monkeypatch.setattr(store, "shipped_mask_dir", lambda: tmp_path / "shipped")
+    monkeypatch.setattr(mask_repo, "shipped_mask_dir", lambda: tmp_path / "shipped")
     monkeypatch.setattr(hub_files, "_UNREACHABLE", set())
     llama = tiny_causal_lm("llama")
     vocabulary = vocabulary_for(llama, drafter_id="tiny-random-drafter")

@@ -109,42 +109,56 @@ class PairFile(NamedTuple):
 
 
 def find_pair_file(
-    api: HfApi, target: str, drafter: str, repo_id: str | None, lookup: Lookup, filenames: tuple[str, ...] = (MASK_FILENAME,)
+    api: HfApi,
+    target: str,
+    drafter: str,
+    repo_id: str | None,
+    lookup: Lookup,
+    filenames: tuple[str, ...] = (MASK_FILENAME,),
+    *,
+    fallback_drafters: tuple[str, ...] = (),
+    what: str = "routing mask",
+    how_to: str = HOW_TO_GET_A_MASK,
 ) -> PairFile:
     """The first of ``filenames`` found for the ``(target, drafter)`` pair, in the order of the module docstring.
 
-    Raises ``NotFoundError`` naming every place it looked.
+    ``fallback_drafters`` are folders of the same target looked in after the pair's own, in each
+    place (a draft vocabulary is the target's, so any drafter may use the ``model-free`` one).
+    Raises ``NotFoundError`` naming every place it looked, ``what`` it looked for and ``how_to`` get one.
     """
-    headline = f"no routing mask for target {target!r} with drafter {drafter!r}"
+    headline = f"no {what} for target {target!r} with drafter {drafter!r}"
+    drafters = tuple(dict.fromkeys((drafter, *fallback_drafters), None))
     explicit = repo_id is not None or lookup["revision"] is not None
     repo_id = repo_id or default_masks_repo()
     looked: list[str] = []
-    for filename, note in _paths_on_hub(target, drafter, filenames):
+    for filename, note in _paths_on_hub(target, drafters, filenames):
         try:
             return PairFile(*fetch(api, repo_id, filename, lookup), repo_id, filename)
         except HUB_MISSES as error:
             looked.append(note + describe_miss(api, repo_id, filename, lookup["revision"], error))
             if not isinstance(error, EntryNotFoundError):  # no repo, revision or answer: another path misses alike
                 break
-    if explicit:  # that repo and revision, or an error: never a mask the caller did not ask for
+    if explicit:  # that repo and revision, or an error: never a file the caller did not ask for
         raise NotFoundError(
-            not_found_message(headline, looked, HOW_TO_GET_A_MASK) + "\nThe masks shipped with viasd_hf are only "
+            not_found_message(headline, looked, how_to) + "\nThe files shipped with viasd_hf are only "
             "used when neither repo_id nor revision is given."
         )
-    for filename in filenames:
-        shipped = shipped_mask_dir() / pair_folder(target, drafter) / filename
-        if shipped.is_file():
-            return PairFile(shipped, f"the masks shipped with viasd_hf ({shipped})", None, None)
-        looked.append(f"masks shipped with viasd_hf: no {shipped}")
-    raise NotFoundError(not_found_message(headline, looked, HOW_TO_GET_A_MASK))
+    for folder in dict.fromkeys(pair_folder(target, name) for name in drafters):
+        for filename in filenames:
+            shipped = shipped_mask_dir() / folder / filename
+            if shipped.is_file():
+                return PairFile(shipped, f"the files shipped with viasd_hf ({shipped})", None, None)
+            looked.append(f"shipped with viasd_hf: no {shipped}")
+    raise NotFoundError(not_found_message(headline, looked, how_to))
 
 
-def _paths_on_hub(target: str, drafter: str, filenames: tuple[str, ...]) -> list[tuple[str, str]]:
-    """The pair's files in a masks repo, then under the drafter folder's legacy name (if it had one)."""
-    folder = drafter_folder(drafter)
-    paths = [(f"{pair_folder(target, drafter)}/{filename}", "") for filename in filenames]
-    if folder in LEGACY_FOLDERS:
-        legacy = f"{model_slug(target)}/{LEGACY_FOLDERS[folder]}"
-        note = f"legacy folder {LEGACY_FOLDERS[folder]}/ of {folder}/: "
-        paths += [(f"{legacy}/{filename}", note) for filename in filenames]
+def _paths_on_hub(target: str, drafters: tuple[str, ...], filenames: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Each drafter's files in a masks repo, then under its folder's legacy name (if it had one)."""
+    paths: list[tuple[str, str]] = []
+    for folder in dict.fromkeys(drafter_folder(drafter) for drafter in drafters):
+        paths += [(f"{model_slug(target)}/{folder}/{filename}", "") for filename in filenames]
+        if folder in LEGACY_FOLDERS:
+            legacy = f"{model_slug(target)}/{LEGACY_FOLDERS[folder]}"
+            note = f"legacy folder {LEGACY_FOLDERS[folder]}/ of {folder}/: "
+            paths += [(f"{legacy}/{filename}", note) for filename in filenames]
     return paths

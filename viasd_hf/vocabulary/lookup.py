@@ -9,21 +9,18 @@ vocabulary must not ask the Hub on every call. ``clear_vocabulary_cache`` forget
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable, Hashable
-from weakref import WeakKeyDictionary
 
 from torch import nn
 
 from ..architectures import is_encoder_decoder, model_config
 from ..mask_repo import default_masks_repo
+from ..model_cache import PerModelCache
 from .head import SubsetHead
 from .store import DraftVocabulary, DraftVocabularyError
 
 AUTO = "auto"
 
-_found: WeakKeyDictionary[nn.Module, dict[Hashable, DraftVocabulary | None]] = WeakKeyDictionary()
-_lock = threading.Lock()
+_found: PerModelCache[DraftVocabulary | None] = PerModelCache()
 
 
 def resolve_vocabulary(spec: DraftVocabulary | str | os.PathLike | None, model: nn.Module, drafter_id: str) -> DraftVocabulary | None:
@@ -41,9 +38,9 @@ def resolve_vocabulary(spec: DraftVocabulary | str | os.PathLike | None, model: 
         if is_encoder_decoder(model):
             return None
         pair = (str(model_config(model)._name_or_path), drafter_id)
-        vocabulary = _cached(model, ("pair", *pair, default_masks_repo()), lambda: _fitting(pair, model))
+        vocabulary = _found.get(model, ("pair", *pair, default_masks_repo()), lambda: _fitting(pair, model))
     else:
-        vocabulary = _cached(model, ("spec", os.fspath(spec)), lambda: DraftVocabulary.from_pretrained(spec))
+        vocabulary = _found.get(model, ("spec", os.fspath(spec)), lambda: DraftVocabulary.from_pretrained(spec))
     if vocabulary is not None:
         vocabulary.validate_for(model)
     return vocabulary
@@ -59,24 +56,9 @@ def _fitting(pair: tuple[str, str], model: nn.Module) -> DraftVocabulary | None:
     return vocabulary
 
 
-def _cached(model: nn.Module, key: Hashable, lookup: Callable[[], DraftVocabulary | None]) -> DraftVocabulary | None:
-    with _lock:
-        table = _found.setdefault(model, {})
-        if key in table:
-            return table[key]
-    vocabulary = lookup()
-    with _lock:
-        _found.setdefault(model, {})[key] = vocabulary
-    return vocabulary
-
-
 def clear_vocabulary_cache(model: nn.Module | None = None) -> None:
     """Forget the vocabularies (and misses) resolved for ``model`` (every model when ``None``)."""
-    with _lock:
-        if model is None:
-            _found.clear()
-        else:
-            _found.pop(model, None)
+    _found.clear(model)
 
 
 def tier_heads(

@@ -22,9 +22,9 @@ from torch import nn
 
 from ..architectures import base_model, config_fingerprint, model_config
 from ..checks import is_int, is_real
-from ..hub_files import HUB_MISSES, Lookup, describe_miss, fetch, not_found_message
+from ..hub_files import Lookup, NotFoundError
 from ..hub_mixin import HubMixin
-from ..mask_repo import default_masks_repo, pair_folder, shipped_mask_dir
+from ..mask_repo import find_pair_file, pair_folder
 from ..version import __version__
 
 VOCABULARY_FILENAME = "draft_vocabulary.json"
@@ -199,25 +199,12 @@ class DraftVocabulary(HubMixin):
         """
         api = HfApi(endpoint=endpoint, token=token)
         lookup = Lookup(revision=revision, local_files_only=local_files_only, cache_dir=None)
-        explicit = repo_id is not None or revision is not None
-        repo = repo_id or default_masks_repo()
-        folders = list(dict.fromkeys([pair_folder(target, drafter), pair_folder(target, "self")]))
-        looked = []
-        for folder in folders:
-            filename = f"{folder}/{VOCABULARY_FILENAME}"
-            try:
-                path, where = fetch(api, repo, filename, lookup)
-                return cls._read(path), where
-            except HUB_MISSES as error:
-                looked.append(describe_miss(api, repo, filename, revision, error))
-        if not explicit:
-            for folder in folders:
-                shipped = shipped_mask_dir() / folder / VOCABULARY_FILENAME
-                if shipped.is_file():
-                    return cls._read(shipped), f"the vocabularies shipped with viasd_hf ({shipped})"
-                looked.append(f"shipped with viasd_hf: no {shipped}")
-        headline = f"no draft vocabulary for target {target!r} with drafter {drafter!r}"
-        raise DraftVocabularyError(not_found_message(headline, looked, HOW_TO_GET_A_VOCABULARY))
+        try:
+            found = find_pair_file(api, target, drafter, repo_id, lookup, (VOCABULARY_FILENAME,), fallback_drafters=("self",),
+                                   what="draft vocabulary", how_to=HOW_TO_GET_A_VOCABULARY)
+        except NotFoundError as error:
+            raise DraftVocabularyError(str(error)) from error
+        return cls._read(found.path), found.where
 
     @classmethod
     def from_pretrained(cls, source: str | os.PathLike[str] | tuple[str, str], **options: Any) -> DraftVocabulary:
