@@ -368,14 +368,22 @@ def test_measured_tier_switching_hands_the_choice_to_the_persisted_controller(mo
 
 
 def drive_tiered(controller: TierController, blocks: int, draft: float, slim: float, full: float,
-                 escalation_rate: float, tokens: int = 4) -> list[bool]:
-    """Tiered blocks from their parts: drafting, the slim pass, and the full pass (two-tier blocks, escalations)."""
+                 escalation_rate: float, tokens: int = 4, shadows: list[int] | None = None) -> list[bool]:
+    """Tiered blocks from their parts: drafting, the slim pass, and the full pass (two-tier blocks, escalations).
+    Shadow probes (the slim pass, then the full pass) are listed in ``shadows`` by block number."""
     rng = random.Random(0)
     choices = []
-    for _ in range(blocks):
+    for block in range(blocks):
         on = controller.use_slim()
         choices.append(on)
-        full_pass = full if not on or rng.random() < escalation_rate else 0.0
+        escalates = rng.random() < escalation_rate
+        if on and controller.probes_in_shadow():  # the slim pass, then the full model decides
+            would_commit = 0 if escalates else tokens
+            if shadows is not None:
+                shadows.append(block)
+            controller.observe(BlockCost(True, draft + slim + full, tokens, slim, full, slim_would_commit=would_commit))
+            continue
+        full_pass = full if not on or escalates else 0.0
         slim_pass = slim if on else 0.0
         controller.observe(BlockCost(on, draft + slim_pass + full_pass, tokens, slim_pass, full_pass))
     return choices
@@ -400,3 +408,54 @@ def test_a_tiered_slim_tier_that_saves_is_chosen():
     choices = drive_tiered(controller, 400, draft=0.10, slim=0.15, full=0.30, escalation_rate=0.1)
     assert controller.switches and controller.switches[0]["slim_tier"] == "on"
     assert sum(choices[-200:]) > 0.9 * 200
+
+
+def test_a_tiered_slim_tier_that_saves_is_found_by_shadow_probes():
+    """Probed in shadow (the full model decides every probed block), the slim tier's savings are priced all the same."""
+    controller = TierController(slim_on=False, estimate=WallClock(kept_fraction=0.5), shadow_probes=True)
+    choices = drive_tiered(controller, 400, draft=0.10, slim=0.15, full=0.30, escalation_rate=0.1)
+    assert controller.switches and controller.switches[0]["slim_tier"] == "on"
+    assert "ms/token with the slim tier" in controller.switches[0]["reason"]
+    assert sum(choices[-200:]) > 0.9 * 200
+
+
+def test_a_tiered_slim_tier_that_does_not_pay_is_only_ever_probed_in_shadow():
+    """A slim pass at 0.9 of a full one escalating one block in three never pays: probes stay shadows."""
+    controller = TierController(slim_on=False, estimate=WallClock(kept_fraction=0.5), shadow_probes=True)
+    shadows: list[int] = []
+    choices = drive_tiered(controller, 1000, draft=0.10, slim=0.27, full=0.30, escalation_rate=0.3, shadows=shadows)
+    assert not controller.switches and not controller.slim_on
+    assert 0 < len(shadows) == sum(choices) <= controller.max_probe_blocks, "probed once, in shadow, then left off"
+
+
+class ShadowEveryBlock(TierController):
+    """Probes the slim tier in shadow on every block and never acts on what it measures."""
+
+    def use_slim(self) -> bool:
+        return True
+
+    def probes_in_shadow(self) -> bool:
+        return True
+
+    def observe(self, block: BlockCost) -> None:
+        assert block.slim_would_commit is not None
+
+
+def test_shadow_probes_put_none_of_the_slim_tiers_tokens_in_the_output(monkeypatch):
+    """A slim tier that accepts every draft, probed in shadow on every block: the output is two-tier decoding's."""
+    from conftest import tiny_causal_lm
+
+    target = enable_viasd(tiny_causal_lm("llama", seed=0))
+    mask = RoutingMask.from_model(target, skip=[1, 2])
+    prompt = torch.tensor([[3, 17, 5, 3, 17, 5]])
+    options = dict(assistant_model=target, max_new_tokens=30, do_sample=False, return_dict_in_generate=True)
+    two_tier = target.generate(prompt, viasd_config=ViaSDConfig(use_slim=False), **options)
+    monkeypatch.setattr(decoding, "tier_choice", lambda model, mask, drafter, config, do_sample: ShadowEveryBlock())
+    config = ViaSDConfig(routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, tier_switching="measured")
+    shadowed = target.generate(prompt, viasd_config=config, **options)
+    assert torch.equal(shadowed.sequences, two_tier.sequences)
+    assert torch.equal(shadowed.sequences, target.generate(prompt, max_new_tokens=30, do_sample=False))
+    stats = shadowed.viasd_stats
+    assert stats.slim_committed_tokens == 0 and stats.committed_by["slim"] == 0
+    assert stats.slim_shadow_blocks == stats.blocks == stats.slim_forwards == stats.slim_off_blocks
+    assert stats.slim_compared_rows > 0, "each shadow probe measures the slim tier's agreement for free"

@@ -6,7 +6,10 @@ and then probes the other one, so a change of text or load is noticed. Every swi
 with its reason. What "measures" means depends on the mode:
 
 - **tiered**: a slim block saves the full pass unless it escalates, so the two regimes are
-  compared by their measured throughput (``WallClock``).
+  compared by their measured throughput (``WallClock``). While the slim tier is off, it is
+  probed *in shadow* (``policies.shadow_tiered``): the slim pass runs and what it would have
+  committed is priced, but the full model decides the block, so a probe of a slim tier that
+  does not pay never puts its tokens in the output.
 - **lossless**: the full model verifies every block anyway; the slim tier only adds a pass, and
   adds at most one token — a repaired draft the full model keeps. So every block measures the
   two-tier cost (its seconds and tokens less the slim tier's share), and slim blocks measure
@@ -51,7 +54,8 @@ class TierController:
     on, and a wrong switch costs far more than a late one. The decision is taken when the probe
     ends; between probes, the current regime is compared with what the last probe measured. A
     probe of the slim tier is skipped (and the interval backs off) when the estimate says it
-    cannot win by the margin even at best.
+    cannot win by the margin even at best. With ``shadow_probes`` (tiered mode), a probe of the
+    slim tier runs in shadow (``probes_in_shadow``).
     """
 
     slim_on: bool = True  # the starting choice
@@ -63,6 +67,7 @@ class TierController:
     max_probe_blocks: int = 8
     decay: float = 0.9  # per block: a probe's blocks outweigh what was measured long ago
     margin: float = 0.10  # the slim tier is switched on only when cheaper by more than this fraction
+    shadow_probes: bool = False  # probe the slim tier without committing its tokens (tiered mode)
     block: int = 0
     switches: list[dict] = field(default_factory=list)
     probe_interval: int = 0  # current blocks between probes (0: not started)
@@ -83,6 +88,10 @@ class TierController:
         if self.probing and not self.slim_on and not self.probed_blocks and not self._slim_could_win():
             self._back_off()  # probing a slim tier that cannot win even at best would only cost time
         return not self.slim_on if self.probing else self.slim_on
+
+    def probes_in_shadow(self) -> bool:
+        """Whether the block ``use_slim`` just granted the slim tier is a shadow probe: the full model decides it."""
+        return self.shadow_probes and self.probing and not self.slim_on
 
     def observe(self, block: BlockCost) -> None:
         """Record a finished block; at the end of a probe, or whenever the current regime falls clearly
@@ -160,7 +169,7 @@ def new_controller(mask: RoutingMask, lossless: bool) -> TierController:
     slim_on = starts_with_slim_tier(mask, lossless)
     if lossless:
         return TierController(slim_on=slim_on, estimate=RepairLedger(len(mask.kept_layers) / mask.num_layers))
-    return TierController(slim_on=slim_on, estimate=WallClock(len(mask.kept_layers) / mask.num_layers))
+    return TierController(slim_on=slim_on, estimate=WallClock(len(mask.kept_layers) / mask.num_layers), shadow_probes=True)
 
 
 def starts_with_slim_tier(mask: RoutingMask, lossless: bool) -> bool:
@@ -198,6 +207,9 @@ class FixedChoice:
 
     def use_slim(self) -> bool:
         return self.slim_on
+
+    def probes_in_shadow(self) -> bool:
+        return False
 
     def verdict(self) -> str:
         why = "the mask's offline prediction" if self.slim_on else "lossless mode or the mask's offline prediction"

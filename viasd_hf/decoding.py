@@ -31,7 +31,7 @@ from .drafters import Drafter
 from .mask_chooser import MaskChoice
 from .mask_set import MaskSet
 from .masks import RoutingMask
-from .policies import BlockResult, Policy, Tiers, VerificationRules, lossless, tiered, two_tier
+from .policies import BlockResult, Policy, Tiers, VerificationRules, lossless, shadow_tiered, tiered, two_tier
 from .sampling import RandomStream
 from .state import DecodingState
 from .stats import ViaSDStats
@@ -129,8 +129,10 @@ class ViaSDDecoder:
         must_catch_up = slim_backlog + len(draft.tokens) + 1 > self.config.max_slim_backlog
         wants_slim = self.controller.use_slim() if self.controller is not None else True
         slim_runs = self.tiers.slim is not None and wants_slim and bool(draft.tokens) and not must_catch_up
+        shadow = slim_runs and self.controller is not None and self.controller.probes_in_shadow()
         tiers = self.chooser.tiers(self.tiers) if self.chooser is not None else self.tiers
-        block = (self.slim_policy if slim_runs else two_tier)(tiers, state, draft)
+        policy = shadow_tiered if shadow else self.slim_policy if slim_runs else two_tier
+        block = policy(tiers, state, draft)
         if self.chooser is not None:
             self.chooser.observe(block)
         self.commit(state, block)
@@ -143,8 +145,9 @@ class ViaSDDecoder:
         if self.controller is not None:
             charged_to_slim = wants_slim or slim_backlog > 0
             self.controller.observe(block_cost(block, charged_to_slim, time.perf_counter() - started))
-            self.stats.slim_on_blocks += int(wants_slim)
-            self.stats.slim_off_blocks += int(not wants_slim)
+            self.stats.slim_on_blocks += int(wants_slim and not shadow)
+            self.stats.slim_off_blocks += int(not wants_slim or shadow)
+            self.stats.slim_shadow_blocks += int(shadow)
         if self.check_invariants:
             state.target_cache.check()
 
@@ -205,4 +208,5 @@ def block_cost(block: BlockResult, charged_to_slim: bool, seconds: float) -> Blo
         slim_seconds=block.seconds["slim"],
         full_seconds=block.seconds["full"],
         repair_gain=block.repair_gain,
+        slim_would_commit=block.slim_would_commit,
     )

@@ -6,6 +6,8 @@
   unsure of a draft: then the block escalates to ``two_tier``.
 - ``lossless``: the slim verifier may replace one draft (dropping those after it), then the full
   model verifies the block; the output is the full model's own.
+- ``shadow_tiered``: a probe of the slim tier that commits nothing of its own: the slim verifier
+  walks the draft as ``tiered`` would, then the full model decides the block as ``two_tier``.
 
 Each returns a ``BlockResult``; the decode loop (``decoding.py``) commits it and records it.
 """
@@ -64,6 +66,7 @@ class BlockResult:
     passes: dict[str, int] = field(default_factory=lambda: {"slim": 0, "full": 0})
     seconds: dict[str, float] = field(default_factory=lambda: {"slim": 0.0, "full": 0.0})
     check: SlimCheck | None = None  # a slim pass the full model followed on the same block
+    slim_would_commit: int | None = None  # shadow_tiered: tokens the slim tier would have committed (0: escalated)
 
 
 @dataclass
@@ -147,6 +150,22 @@ def tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
         probe = tiers.probed(state, draft)
         return _after_slim_pass(two_tier(tiers, state, draft), view, draft, draft, probe, escalated=True)
     return _decided(draft, verdict, view, "slim")
+
+
+def shadow_tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
+    """The slim tier's walk as ``tiered`` would take it, but the full model decides the block as ``two_tier``.
+
+    What the slim tier would have committed prices a slim block (``adaptive.TierController`` probes
+    the slim tier this way while it is off) without a token of the output being the slim tier's.
+    """
+    view = tiers.slim.score(state, draft.tokens)
+    if not view.every_row_has_a_choice:  # as in ``tiered``: this block would have escalated
+        return _after_slim_pass(two_tier(tiers, state, draft), view, slim_would_commit=0)
+    verdict = accept_prefix(draft, tiers.rules.slim(view), tiers.rules.slim_escalates(view))
+    probe = tiers.probed(state, draft)
+    block = two_tier(tiers, state, draft)
+    would_commit = 0 if verdict.escalated else verdict.kept + 1
+    return _after_slim_pass(block, view, draft, draft, probe, slim_would_commit=would_commit)
 
 
 def lossless(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:

@@ -22,6 +22,7 @@ class BlockCost:
     slim_seconds: float = 0.0  # of ``seconds``, spent in the slim pass
     full_seconds: float = 0.0  # of ``seconds``, spent in full passes
     repair_gain: int = 0  # lossless: tokens the slim tier's repair added to the block (−1, 0 or 1)
+    slim_would_commit: int | None = None  # a shadow probe (tiered): tokens the slim tier would have committed, 0: escalated
 
 
 @dataclass
@@ -127,7 +128,14 @@ class WallClock:
     def observe(self, block: BlockCost, decay: float) -> None:
         for regime in (self.on, self.off, self.drafting, self.slim_passes, self.full_passes):
             regime.fade(decay)
-        (self.on if block.slim else self.off).observe(block.seconds, block.tokens)
+        if block.slim_would_commit is None:
+            (self.on if block.slim else self.off).observe(block.seconds, block.tokens)
+        else:
+            self.off.observe(block.seconds - block.slim_seconds, block.tokens)
+            if block.slim_would_commit:
+                self.on.observe(block.seconds - block.full_seconds, block.slim_would_commit)
+            else:
+                self.on.observe(block.seconds, block.tokens)
         self.drafting.observe(block.seconds - block.slim_seconds - block.full_seconds, 0)
         if block.slim_seconds:
             self.slim_passes.observe(block.slim_seconds, 1)

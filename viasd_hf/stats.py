@@ -17,7 +17,8 @@ class ViaSDStats:
     """Counts are tokens unless named ``*_forwards`` or ``*_blocks``.
 
     With ``adaptive=True``, ``slim_on_blocks`` / ``slim_off_blocks`` say how often the slim tier
-    was active, ``tier_switches`` when and why the controller switched it, and ``slim_tier_verdict``
+    was active, ``slim_shadow_blocks`` how many of the off blocks probed it in shadow (its pass ran,
+    the full model decided), ``tier_switches`` when and why the controller switched it, and ``slim_tier_verdict``
     where it stood at the end of the call and why. With a mask set,
     ``mask_choice`` names the mask chosen and why, with every mask's agreement with the full model
     and escalation rate (``MaskChooser.report``).
@@ -48,6 +49,7 @@ class ViaSDStats:
     committed_by: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "slim": 0, "full": 0})
     slim_on_blocks: int = 0
     slim_off_blocks: int = 0
+    slim_shadow_blocks: int = 0
     tier_switches: list[dict] = field(default_factory=list)
     slim_tier_verdict: str | None = None
     mask_choice: dict[str, Any] | None = None
