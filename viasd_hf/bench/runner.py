@@ -176,6 +176,7 @@ def _work(outcomes: list[Outcome]) -> dict[str, Any]:
             "slim_committed_fraction": total("slim_committed_tokens") / tokens if tokens else 0.0,
             "escalation_rate": total("escalated_blocks") / slim_blocks if total("slim_forwards") and slim_blocks else None,
             "slim_on_fraction": total("slim_on_blocks") / blocks if blocks else None,
+            "slim_shadow_fraction": sum(stats.get("slim_shadow_blocks", 0) for stats in viasd) / blocks if blocks else None,
             "slim_forwards_per_token": total("slim_forwards") / tokens if tokens else None,
             "time_shares": _time_shares(viasd),
         }
