@@ -7,8 +7,8 @@ A drafter sees only the committed token ids; what it keeps between blocks is its
 - ``SelfDrafter``: the target routed with a heavier mask. It drafts on the target's own cache
   (``TargetCache.provisional``), so it costs no memory or extra weights and leaves nothing behind.
 - ``PromptLookupDrafter``: copies the continuation of the last n-gram's earlier occurrence.
-- ``HybridDrafter``: prompt lookup where the context repeats itself (its drafts are free), a model
-  drafter elsewhere.
+- ``HybridDrafter``: prompt lookup where the context repeats itself (its drafts are free) and
+  copying has paid (``hybrid_choice``), a model drafter elsewhere.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from transformers import LogitsProcessorList
 
 from .accept import Draft
 from .cache import crop_to, new_cache
+from .hybrid_choice import CopyOrDraft
 from .masks import RoutingMask
 from .routing import skipping
 from .sampling import RandomStream, sample
@@ -252,23 +253,34 @@ class HybridDrafter:
     """Prompt lookup when the trailing n-gram occurred before, else a model drafter.
 
     A lookup draft costs no forward pass, and where text is copied (summaries, RAG, code edits) it
-    is long and mostly accepted; elsewhere the model drafts. Each block is drafted wholly by one of
-    them, chosen from the committed ids alone, so sampling stays exact: lookup drafts are
-    deterministic (one-hot proposals) and model drafts carry their own distributions.
+    is long and mostly accepted; elsewhere the model drafts. With a ``choice``
+    (``hybrid_choice.CopyOrDraft``), a match is copied only while copied blocks commit more per
+    unit of cost than model-drafted ones. Each block is drafted wholly by one of them, chosen from
+    the committed ids alone, so sampling stays exact: lookup drafts are deterministic (one-hot
+    proposals) and model drafts carry their own distributions.
     """
 
     name = "hybrid"
 
-    def __init__(self, lookup: PromptLookupDrafter, model_drafter: Drafter) -> None:
+    def __init__(self, lookup: PromptLookupDrafter, model_drafter: Drafter, choice: CopyOrDraft | None = None) -> None:
         self.lookup = lookup
         self.model_drafter = model_drafter
+        self.choice = choice
+        self._pending_block: tuple[bool, int, int] | None = None  # (copied, committed length, drafter passes)
 
     def draft(
         self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None, keep_drafting: KeepDrafting | None = None
     ) -> Draft:
         copied = self.lookup.draft(ids, max_tokens, rng)
-        return copied if copied.tokens else self.model_drafter.draft(ids, max_tokens, rng, keep_drafting)
+        copies = bool(copied.tokens) and (self.choice is None or self.choice.copy())
+        draft = copied if copies else self.model_drafter.draft(ids, max_tokens, rng, keep_drafting)
+        self._pending_block = (copies, ids.shape[-1], draft.forwards)
+        return draft
 
     def commit(self, ids: torch.Tensor) -> None:
-        """The model drafter catches up on (or crops away) whatever the committed ids say."""
+        """Tell the choice what the last block committed; the model drafter catches up on (or crops away) the rest."""
+        if self.choice is not None and self._pending_block is not None:
+            copies, length, passes = self._pending_block
+            self.choice.observe(copies, ids.shape[-1] - length, passes)
+        self._pending_block = None
         self.model_drafter.commit(ids)

@@ -41,7 +41,9 @@ from .architectures import base_model, is_encoder_decoder, model_config
 from .cache import new_cache
 from .config import ViaSDConfig
 from .decoding import ViaSDDecoder
+from .draft_planner import StaticCosts
 from .drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
+from .hybrid_choice import CopyOrDraft
 from .mask_repo import default_masks_repo
 from .mask_cache import cached_mask
 from .mask_set import resolve_slim_masks
@@ -115,7 +117,8 @@ def build_drafter(
     """Choose the drafter as HF users expect: assistant model, else prompt lookup, else the self-drafter.
 
     ``assistant_model`` together with ``prompt_lookup_num_tokens`` drafts by prompt lookup where the
-    context repeats itself and with the assistant elsewhere (``HybridDrafter``). ``head``: the drafting
+    context repeats itself and with the assistant elsewhere (``HybridDrafter``); with ``adaptive=True``,
+    only while copying commits more per unit of cost (``hybrid_choice``). ``head``: the drafting
     model's LM head cut to a draft vocabulary.
     """
     lookup = None
@@ -140,7 +143,10 @@ def build_drafter(
         assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
         inputs=target_cache.inputs, head=head,
     )
-    return assistant if lookup is None else HybridDrafter(lookup, assistant)
+    if lookup is None:
+        return assistant
+    choice = CopyOrDraft(StaticCosts.for_drafter(model, assistant_model, None).drafter) if config.adaptive else None
+    return HybridDrafter(lookup, assistant, choice)
 
 
 def initial_state(model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> DecodingState:

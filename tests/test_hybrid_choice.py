@@ -1,0 +1,93 @@
+"""Hybrid drafting copies a prompt-lookup match only while copying pays (``hybrid_choice.CopyOrDraft``)."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_causal_lm
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+from viasd_hf.accept import Draft
+from viasd_hf.drafters import HybridDrafter
+from viasd_hf.hybrid_choice import CopyOrDraft
+
+
+def run_blocks(choice: CopyOrDraft, blocks: int, copied_commits: int, drafted_commits: int, passes: int = 4) -> list[bool]:
+    """Blocks that could all copy: copied ones commit ``copied_commits`` tokens, model-drafted ones ``drafted_commits``."""
+    copies = []
+    for _ in range(blocks):
+        copy = choice.copy()
+        copies.append(copy)
+        choice.observe(copy, copied_commits if copy else drafted_commits, 0 if copy else passes)
+    return copies
+
+
+def test_copying_starts_trusted_and_stays_while_it_commits_more():
+    choice = CopyOrDraft(drafter_cost=0.4)
+    copies = run_blocks(choice, 200, copied_commits=6, drafted_commits=4)
+    assert copies[: choice.explore_every - 1] == [True] * (choice.explore_every - 1)
+    assert 200 - 6 <= sum(copies) < 200, "the model drafter is tried now and then, less often as copying keeps winning"
+
+
+def test_copies_that_are_thrown_away_give_way_to_the_model_drafter_but_are_still_tried():
+    """One token per copied block (the match was wrong) against four per model block at 2.6 passes' cost."""
+    choice = CopyOrDraft(drafter_cost=0.4)
+    copies = run_blocks(choice, 400, copied_commits=1, drafted_commits=4)
+    assert 1 <= sum(copies[100:]) <= 300 / choice.explore_every, "copying is tried again now and then"
+
+
+def test_a_costlier_drafter_leaves_more_to_copying():
+    """The same yields (2 tokens copied, 4 drafted in 4 passes): a drafter at 0.1 of a verifying pass wins, one at
+    0.4 does not."""
+    cheap = run_blocks(CopyOrDraft(drafter_cost=0.1), 200, copied_commits=2, drafted_commits=4)
+    costly = run_blocks(CopyOrDraft(drafter_cost=0.4), 200, copied_commits=2, drafted_commits=4)
+    assert sum(cheap[50:]) < 0.1 * 150 and sum(costly[50:]) > 0.9 * 150
+
+
+class FixedLookup:
+    """A lookup that always finds the same match."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def draft(self, ids, max_tokens, rng, keep_drafting=None) -> Draft:
+        return Draft(self.tokens[:max_tokens], [None] * min(len(self.tokens), max_tokens))
+
+
+class CountingModelDrafter:
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.drafts = 0
+        self.committed: list[int] = []
+
+    def draft(self, ids, max_tokens, rng, keep_drafting=None) -> Draft:
+        self.drafts += 1
+        return Draft([7, 7], [None, None], forwards=2)
+
+    def commit(self, ids) -> None:
+        self.committed.append(ids.shape[-1])
+
+
+def test_the_hybrid_drafter_learns_from_what_each_block_committed():
+    choice = CopyOrDraft(drafter_cost=0.1)
+    model_drafter = CountingModelDrafter()
+    hybrid = HybridDrafter(FixedLookup([1, 2, 3]), model_drafter, choice)
+    ids = torch.zeros((1, 5), dtype=torch.long)
+    for _ in range(30):
+        draft = hybrid.draft(ids, 5, None)
+        kept = 0 if draft.tokens[0] == 1 else 2  # copies are always wrong, model drafts always kept
+        ids = torch.cat([ids, torch.zeros((1, kept + 1), dtype=torch.long)], dim=-1)
+        hybrid.commit(ids)
+    assert choice.copied.rate < choice.drafted.rate and not choice.copy_winning
+    assert model_drafter.drafts > 20 and model_drafter.committed[-1] == ids.shape[-1]
+
+
+def test_lossless_hybrid_decoding_is_still_greedy_decoding():
+    target = enable_viasd(tiny_causal_lm("llama", seed=0))
+    drafter = tiny_causal_lm("llama", seed=1)
+    prompt = torch.tensor([[3, 17, 5, 3, 17, 5, 9, 3, 17]])
+    greedy = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    hybrid = target.generate(prompt, assistant_model=drafter, prompt_lookup_num_tokens=4, max_new_tokens=40,
+                             do_sample=False, viasd_config=ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]),
+                                                                       mode="lossless"))
+    assert torch.equal(hybrid, greedy)

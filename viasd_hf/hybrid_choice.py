@@ -1,0 +1,86 @@
+"""Hybrid drafting's cost model: whether a block that could copy (prompt lookup found a match) should.
+
+Copying is free and, where text repeats (code edits, summaries, RAG), long and mostly kept; but a
+match is not always worth a verifying pass. In maths, say, numbers recur and a copied draft is
+often thrown away whole, where the model drafter would have had a few tokens kept. So each kind
+of block is judged by what it committed per unit of cost:
+
+- a copied block costs one verifying pass;
+- a model-drafted block costs that pass plus ``k`` drafter passes of ``drafter_cost`` each (in
+  verifying passes, from the bytes each pass reads: ``draft_planner.StaticCosts``).
+
+Tokens per unit of cost is a ratio of faded sums over the blocks of each kind, as throughput
+must be (``slim_estimates.Regime``). It is counted in committed tokens and weight bytes, never
+in seconds, so the choice, like the output, is the same on every run. Copying starts trusted; the
+kind that loses is still tried now and then on a block that could copy, so a change of text is
+noticed: after ``explore_every`` such blocks, then after twice as many each time (up to
+``max_explore_every``) while the winner stays the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KindLedger:
+    """Faded sums of what blocks of one kind committed and cost, starting from a prior worth ``weight`` blocks."""
+
+    tokens: float
+    cost: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.cost
+
+    def observe(self, tokens: int, cost: float, decay: float) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.cost = decay * self.cost + cost
+
+
+@dataclass
+class CopyOrDraft:
+    """Copy where copied blocks commit more per unit of cost than model-drafted ones (see the module docstring)."""
+
+    drafter_cost: float
+    decay: float = 0.9
+    explore_every: int = 8
+    max_explore_every: int = 64
+    prior_tokens: float = 2.0  # per block, for both kinds: so copying, which costs less, starts ahead
+    prior_drafts: float = 2.0  # drafter passes per model-drafted block before any is seen
+    prior_weight: float = 2.0
+    copied: KindLedger = field(init=False)
+    drafted: KindLedger = field(init=False)
+    copy_winning: bool = True
+    interval: int = 0  # blocks that could copy between tries of the losing kind (0: not started)
+    countdown: int = 0  # such blocks left until the next try
+
+    def __post_init__(self) -> None:
+        weight = self.prior_weight
+        self.copied = KindLedger(self.prior_tokens * weight, weight)
+        self.drafted = KindLedger(self.prior_tokens * weight, (1 + self.prior_drafts * self.drafter_cost) * weight)
+        self.interval = self.countdown = self.explore_every
+
+    def copy(self) -> bool:
+        """Whether this block, for which prompt lookup found a match, is drafted by copying."""
+        copy_wins = self.copied.rate >= self.drafted.rate
+        if copy_wins != self.copy_winning:  # a new winner: try the other kind soon again
+            self.copy_winning = copy_wins
+            self.interval = self.countdown = self.explore_every
+        self.countdown -= 1
+        if self.countdown > 0:
+            return copy_wins
+        self.interval = min(2 * self.interval, self.max_explore_every)
+        self.countdown = self.interval
+        return not copy_wins
+
+    def observe(self, copied: bool, committed: int, drafter_passes: int) -> None:
+        """A block was committed: ``committed`` tokens, drafted by copying or by ``drafter_passes`` model passes."""
+        if copied:
+            self.copied.observe(committed, 1.0, self.decay)
+        else:
+            self.drafted.observe(committed, 1.0 + drafter_passes * self.drafter_cost, self.decay)
+
+    def describe(self) -> str:
+        return (f"copying commits {self.copied.rate:.2f} tokens per verifying pass, model drafting "
+                f"{self.drafted.rate:.2f} per verifying pass's worth of cost")
