@@ -80,7 +80,3 @@ class CopyOrDraft:
             self.copied.observe(committed, 1.0, self.decay)
         else:
             self.drafted.observe(committed, 1.0 + drafter_passes * self.drafter_cost, self.decay)
-
-    def describe(self) -> str:
-        return (f"copying commits {self.copied.rate:.2f} tokens per verifying pass, model drafting "
-                f"{self.drafted.rate:.2f} per verifying pass's worth of cost")

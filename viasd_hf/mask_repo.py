@@ -127,11 +127,11 @@ def find_pair_file(
     Raises ``NotFoundError`` naming every place it looked, ``what`` it looked for and ``how_to`` get one.
     """
     headline = f"no {what} for target {target!r} with drafter {drafter!r}"
-    drafters = tuple(dict.fromkeys((drafter, *fallback_drafters), None))
+    folders = tuple(dict.fromkeys(drafter_folder(name) for name in (drafter, *fallback_drafters)))
     explicit = repo_id is not None or lookup["revision"] is not None
     repo_id = repo_id or default_masks_repo()
     looked: list[str] = []
-    for filename, note in _paths_on_hub(target, drafters, filenames):
+    for filename, note in _paths_on_hub(target, folders, filenames):
         try:
             return PairFile(*fetch(api, repo_id, filename, lookup), repo_id, filename)
         except HUB_MISSES as error:
@@ -143,19 +143,19 @@ def find_pair_file(
             not_found_message(headline, looked, how_to) + "\nThe files shipped with viasd_hf are only "
             "used when neither repo_id nor revision is given."
         )
-    for folder in dict.fromkeys(pair_folder(target, name) for name in drafters):
+    for folder in folders:
         for filename in filenames:
-            shipped = shipped_mask_dir() / folder / filename
+            shipped = shipped_mask_dir() / model_slug(target) / folder / filename
             if shipped.is_file():
                 return PairFile(shipped, f"the files shipped with viasd_hf ({shipped})", None, None)
             looked.append(f"shipped with viasd_hf: no {shipped}")
     raise NotFoundError(not_found_message(headline, looked, how_to))
 
 
-def _paths_on_hub(target: str, drafters: tuple[str, ...], filenames: tuple[str, ...]) -> list[tuple[str, str]]:
-    """Each drafter's files in a masks repo, then under its folder's legacy name (if it had one)."""
+def _paths_on_hub(target: str, folders: tuple[str, ...], filenames: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The files in each drafter folder of a masks repo, then under the folder's legacy name (if it had one)."""
     paths: list[tuple[str, str]] = []
-    for folder in dict.fromkeys(drafter_folder(drafter) for drafter in drafters):
+    for folder in folders:
         paths += [(f"{model_slug(target)}/{folder}/{filename}", "") for filename in filenames]
         if folder in LEGACY_FOLDERS:
             legacy = f"{model_slug(target)}/{LEGACY_FOLDERS[folder]}"

@@ -143,9 +143,9 @@ def two_tier(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
 def tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
     """The paper's block: the slim tier commits on its own authority unless it escalates a draft."""
     view = tiers.slim.score(state, draft.tokens)
-    if not view.every_row_has_a_choice:  # a draft vocabulary the processors rule out: nothing to vouch with
+    verdict = _slim_walk(tiers, view, draft)
+    if verdict is None:
         return _after_slim_pass(two_tier(tiers, state, draft), view, escalated=True)
-    verdict = accept_prefix(draft, tiers.rules.slim(view), tiers.rules.slim_escalates(view))
     if verdict.escalated:
         probe = tiers.probed(state, draft)
         return _after_slim_pass(two_tier(tiers, state, draft), view, draft, draft, probe, escalated=True)
@@ -159,13 +159,21 @@ def shadow_tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResu
     the slim tier this way while it is off) without a token of the output being the slim tier's.
     """
     view = tiers.slim.score(state, draft.tokens)
-    if not view.every_row_has_a_choice:  # as in ``tiered``: this block would have escalated
+    verdict = _slim_walk(tiers, view, draft)
+    if verdict is None:  # as in ``tiered``: this block would have escalated
         return _after_slim_pass(two_tier(tiers, state, draft), view, slim_would_commit=0)
-    verdict = accept_prefix(draft, tiers.rules.slim(view), tiers.rules.slim_escalates(view))
     probe = tiers.probed(state, draft)
     block = two_tier(tiers, state, draft)
     would_commit = 0 if verdict.escalated else verdict.kept + 1
     return _after_slim_pass(block, view, draft, draft, probe, slim_would_commit=would_commit)
+
+
+def _slim_walk(tiers: Tiers, view: TierLogits, draft: Draft) -> Verdict | None:
+    """The slim tier's verdict on ``draft`` in tiered mode; ``None`` when a draft vocabulary the processors rule
+    out leaves it nothing to vouch with (the block escalates, and there is no choice to compare)."""
+    if not view.every_row_has_a_choice:
+        return None
+    return accept_prefix(draft, tiers.rules.slim(view), tiers.rules.slim_escalates(view))
 
 
 def lossless(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
