@@ -21,11 +21,18 @@ def run_blocks(choice: CopyOrDraft, blocks: int, copied_commits: int, drafted_co
     return copies
 
 
-def test_copying_starts_trusted_and_stays_while_it_commits_more():
+def test_copying_is_tried_first_and_stays_while_it_commits_more():
     choice = CopyOrDraft(drafter_cost=0.4)
     copies = run_blocks(choice, 200, copied_commits=6, drafted_commits=4)
     assert copies[: choice.explore_every - 1] == [True] * (choice.explore_every - 1)
     assert 200 - 6 <= sum(copies) < 200, "the model drafter is tried now and then, less often as copying keeps winning"
+
+
+def test_a_first_copy_that_is_thrown_away_gives_way_at_once():
+    """A translation: the prompt's n-grams recur, their continuations do not."""
+    choice = CopyOrDraft(drafter_cost=0.4)
+    copies = run_blocks(choice, choice.explore_every + 1, copied_commits=1, drafted_commits=3)
+    assert copies == [True] + [False] * (choice.explore_every - 1) + [True], "one wasted copy, then a try after a while"
 
 
 def test_copies_that_are_thrown_away_give_way_to_the_model_drafter_but_are_still_tried():

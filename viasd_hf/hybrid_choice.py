@@ -11,9 +11,12 @@ of block is judged by what it committed per unit of cost:
 
 Tokens per unit of cost is a ratio of faded sums over the blocks of each kind, as throughput
 must be (``slim_estimates.Regime``). It is counted in committed tokens and weight bytes, never
-in seconds, so the choice, like the output, is the same on every run. Copying starts trusted; the
-kind that loses is still tried now and then on a block that could copy, so a change of text is
-noticed: after ``explore_every`` such blocks, then after twice as many each time (up to
+in seconds, so the choice, like the output, is the same on every run. Neither kind is trusted
+before it is seen: both start from the same prior, a model-drafted block's, and copying wins the
+tie, being free to try; so the first copy decides, and a prompt whose matches are wrong (a
+translation, an answer that only reuses a few words) pays for one wasted copy, not for the several a
+trusting prior takes to unlearn. The kind that loses is still tried now and then on a block that
+could copy, so a change of text is noticed: after ``explore_every`` such blocks, then after twice as many each time (up to
 ``max_explore_every``) while the winner stays the same.
 """
 
@@ -46,8 +49,8 @@ class CopyOrDraft:
     decay: float = 0.9
     explore_every: int = 8
     max_explore_every: int = 64
-    prior_tokens: float = 2.0  # per block, for both kinds: so copying, which costs less, starts ahead
-    prior_drafts: float = 2.0  # drafter passes per model-drafted block before any is seen
+    prior_tokens: float = 2.0  # per block, for both kinds
+    prior_drafts: float = 2.0  # drafter passes per block, for both kinds: a copy is not presumed cheaper until seen
     prior_weight: float = 2.0
     copied: KindLedger = field(init=False)
     drafted: KindLedger = field(init=False)
@@ -56,9 +59,9 @@ class CopyOrDraft:
     countdown: int = 0  # such blocks left until the next try
 
     def __post_init__(self) -> None:
-        weight = self.prior_weight
-        self.copied = KindLedger(self.prior_tokens * weight, weight)
-        self.drafted = KindLedger(self.prior_tokens * weight, (1 + self.prior_drafts * self.drafter_cost) * weight)
+        weight, cost = self.prior_weight, 1 + self.prior_drafts * self.drafter_cost
+        self.copied = KindLedger(self.prior_tokens * weight, cost * weight)
+        self.drafted = KindLedger(self.prior_tokens * weight, cost * weight)
         self.interval = self.countdown = self.explore_every
 
     def copy(self) -> bool:
