@@ -27,6 +27,7 @@ def load_pretrained(
     name_or_path: str,
     dtype: torch.dtype | str | None = None,
     quantization: str | None = None,
+    draft_for: str | None = None,
     **kwargs,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a zoo name, a local folder or a Hub id.
@@ -35,7 +36,8 @@ def load_pretrained(
     weights), or to the quantization scheme's own dtype; ``quantization`` names a
     scheme of :mod:`viasd_hf.quantization` (e.g. ``"bnb-4bit"``), an alias
     (``"int8"``, ``"4bit"``) or ``"auto"`` (the fastest scheme measured on this
-    machine whose agreement with the unquantised model is acceptable).
+    machine whose agreement with the unquantised model is acceptable; with ``draft_for``, the
+    target this model drafts for, the scheme with which that target decodes fastest).
     ``kwargs`` (``device_map``, ``quantization_config``, ...) go to
     ``from_pretrained``.  Zoo models keep their zoo name as ``config._name_or_path``
     so anything keyed on the target id (e.g. routing masks) does not depend on
@@ -47,7 +49,7 @@ def load_pretrained(
     if quantization is not None:
         if "quantization_config" in kwargs:
             raise QuantizationError("pass either quantization= (a scheme name) or quantization_config=, not both")
-        scheme = resolve_quantization(name_or_path, quantization).scheme
+        scheme = resolve_quantization(name_or_path, quantization, draft_for=draft_for).scheme
         kwargs = scheme.from_pretrained_kwargs() | kwargs
         dtype = scheme.dtype if dtype is None else dtype
     model = AutoModelForCausalLM.from_pretrained(source, dtype=_as_dtype(dtype), **kwargs)

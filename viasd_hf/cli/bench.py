@@ -102,7 +102,8 @@ def _weight_bytes(model: nn.Module) -> int:
 def _quantization(args: argparse.Namespace) -> dict[str, QuantizationChoice]:
     """What ``--quantize`` means for each role on this machine (``auto`` measures once, then reads its cache)."""
     try:
-        return {role: resolve_quantization(getattr(args, role), scheme) for role, scheme in args.quantize.items()}
+        return {role: resolve_quantization(getattr(args, role), scheme, draft_for=args.target if role == "drafter" else None)
+                for role, scheme in args.quantize.items()}  # fmt: skip
     except QuantizationUnavailableError as error:
         raise CommandError(f"--quantize: {first_line(error)}") from None
 

@@ -2,10 +2,12 @@
 
 :mod:`.schemes` names the formats, :mod:`.measure` times them next to bf16 and checks their
 agreement with the float32 model, and :mod:`.choice` decides what ``auto`` means on this machine
-(and caches why). ``python -m viasd_hf.quantization --model NAME`` prints the comparison table.
+(and caches why); for a drafter, :mod:`.drafting` decides it by how fast its target decodes with
+it. ``python -m viasd_hf.quantization --model NAME [--draft-for TARGET]`` prints the table.
 """
 
 from .choice import Acceptance, QuantizationChoice, cached_measure, choose, markdown_table, resolve_quantization
+from .drafting import DraftingAcceptance, choose_drafter
 from .measure import Measurement, MeasureOptions, measure
 from .schemes import (
     ALIASES,
@@ -20,7 +22,7 @@ from .schemes import (
 )
 
 __all__ = [
-    "ALIASES", "AUTO", "BASELINE", "SCHEMES", "Acceptance", "Measurement", "MeasureOptions", "QuantizationChoice",
-    "QuantizationError", "QuantizationUnavailableError", "Scheme", "cached_measure", "choose", "get_scheme",
+    "ALIASES", "AUTO", "BASELINE", "SCHEMES", "Acceptance", "DraftingAcceptance", "Measurement", "MeasureOptions", "QuantizationChoice",
+    "QuantizationError", "QuantizationUnavailableError", "Scheme", "cached_measure", "choose", "choose_drafter", "get_scheme",
     "markdown_table", "measure", "resolve_quantization", "scheme_names",
 ]  # fmt: skip

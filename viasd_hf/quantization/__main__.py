@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from .choice import cache_key, cache_path, cached_measure, choose, cpu_identity, library_version, markdown_table
+from .drafting import choose_drafter
 from .measure import MeasureOptions
 from .schemes import SCHEMES
 
@@ -21,17 +22,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=MeasureOptions.repeats)
     parser.add_argument("--context", type=int, default=MeasureOptions.context)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--draft-for", default=None, metavar="TARGET",
+                        help="the model is a drafter for TARGET: judge agreement by TARGET and choose by its speed")
     parser.add_argument("--refresh", action="store_true", help="measure again even if cached")
     args = parser.parse_args(argv)
     schemes = args.schemes or [name for name, s in SCHEMES.items() if s.available]
-    options = MeasureOptions(context=args.context, repeats=args.repeats, threads=args.threads)
+    options = MeasureOptions(context=args.context, repeats=args.repeats, threads=args.threads, judge=args.draft_for)
     measurements = cached_measure(args.model, schemes, options, refresh=args.refresh)
     cpu = cpu_identity()
     machine = f"{cpu['model']} ({cpu['id']}, {args.threads} threads, {', '.join(cpu['flags'])})"
     versions = ", ".join(f"{p} {library_version(p)}" for p in ("torch", "bitsandbytes", "torchao"))
     print(f"{args.model} on {machine}; {versions}\n")
     print(markdown_table(measurements))
-    name, reason = choose(measurements)
+    name, reason = choose_drafter(measurements) if args.draft_for else choose(measurements)
     print(f"\nauto → {name}: {reason}")
     print(f"cached in {cache_path(cache_key(args.model, schemes, options))}")
 

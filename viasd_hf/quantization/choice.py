@@ -16,11 +16,12 @@ import os
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..zoo import ZOO, viasd_home, zoo_revision
+from .drafting import DraftingAcceptance, choose_drafter, drafting_throughput
 from .measure import Measurement, MeasureOptions, measure
 from .schemes import ALIASES, AUTO, BASELINE, SCHEMES, Scheme, get_scheme
 
@@ -167,11 +168,15 @@ def resolve_quantization(
     name_or_path: str,
     scheme: str,
     acceptance: Acceptance = Acceptance(),
+    draft_for: str | None = None,
     **measure_kwargs: Any,
 ) -> QuantizationChoice:
     """The scheme ``quantization=scheme`` means for this model; ``auto`` measures (or reads the cache).
 
-    ``measure_kwargs`` go to :func:`cached_measure` (``options``, ``refresh``, ``progress``, ...).
+    ``draft_for`` names the target this model drafts for: ``auto`` then measures agreement with that
+    target and picks the scheme with which the target decodes fastest (:mod:`.drafting`), since a
+    drafter's disagreements cost only speed. ``measure_kwargs`` go to :func:`cached_measure`
+    (``options``, ``refresh``, ``progress``, ...).
     """
     if scheme != AUTO:
         chosen = get_scheme(scheme)
@@ -179,23 +184,38 @@ def resolve_quantization(
         alias = f"alias {scheme!r}, the best {chosen.bits}-bit scheme measured on CPU: " if scheme in ALIASES else ""
         return QuantizationChoice(scheme, chosen, f"{alias}{chosen.name} ({chosen.summary})")
     available = [name for name, s in SCHEMES.items() if s.available]
-    measurements = cached_measure(name_or_path, available, **measure_kwargs)
-    name, reason = choose(measurements, acceptance)
+    if draft_for is not None:
+        options = replace(measure_kwargs.pop("options", None) or MeasureOptions(), judge=draft_for)
+        measurements = cached_measure(name_or_path, available, options, **measure_kwargs)
+        name, reason = choose_drafter(measurements)
+    else:
+        measurements = cached_measure(name_or_path, available, **measure_kwargs)
+        name, reason = choose(measurements, acceptance)
     return QuantizationChoice(AUTO, SCHEMES.get(name, BASELINE), reason, tuple(measurements))
 
 
 def markdown_table(measurements: Sequence[Measurement], acceptance: Acceptance = Acceptance()) -> str:
-    """Per scheme: ms per decode and verify pass, ratios to bf16, agreement, and whether ``auto`` may pick it."""
-    rows = ["| scheme | decode ms | × bf16 | verify ms | × bf16 | top-1 | KL | auto may pick |",
-            "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    """Per scheme: ms per decode and verify pass, ratios to bf16, agreement, and whether ``auto`` may pick it.
+
+    Measurements judged by a target (a drafter's) add how fast the target decodes with each, and are
+    ruled on by :class:`.drafting.DraftingAcceptance` instead of ``acceptance``."""
+    baseline = next((m for m in measurements if m.scheme == BASELINE.name and not m.error), None)
+    judged = baseline is not None and baseline.judge_bytes is not None
+    agreement = "top-1 with target | KL from target | target speed" if judged else "top-1 | KL"
+    rows = [f"| scheme | decode ms | × bf16 | verify ms | × bf16 | {agreement} | auto may pick |",
+            "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if judged else "") + "---|"]  # fmt: skip
     for m in measurements:
         if m.error:
-            rows.append(f"| {m.scheme} | — | — | — | — | — | — | no: {m.error} |")
+            rows.append(f"| {m.scheme} | — | — | — | — | — | — |{' — |' if judged else ''} no: {m.error} |")
             continue
-        why = None if m.scheme == BASELINE.name else acceptance.rejects(m)
+        if m.scheme == BASELINE.name:
+            why = None
+        else:
+            why = DraftingAcceptance().rejects(m, baseline) if judged else acceptance.rejects(m)
         verdict = "baseline" if m.scheme == BASELINE.name else "yes" if why is None else f"no: {why}"
+        speed = f" {drafting_throughput(m) / drafting_throughput(baseline):.2f}× |" if judged else ""
         rows.append(
             f"| {m.scheme} | {m.decode_ms:.0f} | {m.decode_ratio:.2f} | {m.verify_ms:.0f} | {m.verify_ratio:.2f} | "
-            f"{m.top1:.3f} | {m.kl:.4f} | {verdict} |"
+            f"{m.top1:.3f} | {m.kl:.4f} |{speed} {verdict} |"
         )
     return "\n".join(rows)

@@ -3,7 +3,8 @@
 Every scheme is loaded in turn next to the unquantised bf16 model, timed in rounds alternating
 with it (1-token decode passes and ``verify_tokens``-token verify passes over a KV cache of
 ``context`` tokens, so both see the same machine load) and compared with the unquantised float32
-model on a few Spec-Bench prompts.
+model on a few Spec-Bench prompts, or, for a drafter, with the float32 *target* it drafts for
+(``MeasureOptions.judge``): a drafter's output only matters through what its target keeps.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ class Measurement:
     KV cache of ``context`` tokens; the ratios compare them with bf16 passes timed alternately in
     the same rounds. ``top1`` is the share of positions whose argmax matches the float32 model and
     ``kl`` the mean KL(float32 ‖ scheme) of the next-token distributions, teacher-forced on the
-    calibration prompts.
+    calibration prompts. With a judge, both compare with the judge's float32 model instead, and
+    ``judge_bytes`` is the bytes a bf16 pass of this model reads per byte a bf16 pass of the judge
+    reads (a drafter pass in verifying passes, as ``draft_planner.StaticCosts`` prices it).
     """
 
     scheme: str
@@ -44,6 +47,7 @@ class Measurement:
     verify_ratio: float | None = None
     top1: float | None = None
     kl: float | None = None
+    judge_bytes: float | None = None
     error: str | None = None
 
     @property
@@ -62,6 +66,7 @@ class MeasureOptions:
     verify_tokens: int = 6
     repeats: int = 5
     threads: int = field(default_factory=torch.get_num_threads)
+    judge: str | None = None  # agreement with this model (a drafter's target) instead of the model's own float32
 
 
 def _source(name_or_path: str) -> str | Path:
@@ -79,6 +84,11 @@ def _load(source: str | Path, scheme: Scheme | None) -> PreTrainedModel:
 def calibration_windows(name_or_path: str, options: MeasureOptions) -> list[torch.Tensor]:
     """A few Spec-Bench prompts, one per category, as the model's chat template renders them."""
     tokenizer = AutoTokenizer.from_pretrained(_source(name_or_path))
+    if options.judge and AutoTokenizer.from_pretrained(_source(options.judge)).get_vocab() != tokenizer.get_vocab():
+        raise QuantizationError(
+            f"{name_or_path} and {options.judge} tokenize differently: a drafter can only be judged by a target that "
+            "shares its tokenizer; measure it without a judge"
+        )
     prompts, _ = split_prompts(spec_bench_prompts(), options.prompts, 0)
     return [torch.tensor([encode_prompt(tokenizer, p.text, options.prompt_tokens)]) for p in prompts]
 
@@ -93,10 +103,17 @@ def _agreement(
 ) -> dict[str, float]:
     matches, kl, positions = 0, 0.0, 0
     for ref, ours in zip(reference, _log_probs(model, windows)):
+        vocabulary = min(ref.shape[-1], ours.shape[-1])  # a drafter and its target may pad their heads differently
+        ref, ours = ref[:, :vocabulary], ours[:, :vocabulary]
         matches += int((ref.argmax(-1) == ours.argmax(-1)).sum())
         kl += float((ref.exp() * (ref - ours)).sum())
         positions += ref.shape[0]
     return {"top1": matches / positions, "kl": kl / positions}
+
+
+def _parameter_count(model: nn.Module) -> int:
+    """Parameters, standing for the bytes a pass reads when both models are in the same dtype."""
+    return sum(parameter.numel() for parameter in model.parameters())
 
 
 class _Timed:
@@ -183,16 +200,21 @@ def measure(
     try:
         windows = list(windows) if windows is not None else calibration_windows(name_or_path, options)
         source = _source(name_or_path)
-        reference = _log_probs(_load(source, None), windows)
+        judge = _load(_source(options.judge) if options.judge else source, None)
+        reference = _log_probs(judge, windows)
+        judge_parameters = _parameter_count(judge)
+        del judge
         gc.collect()
         context, block = _context(windows, options)
         baseline_model = _load(source, BASELINE)
-        results = {BASELINE.name: _agreement(reference, baseline_model, windows)}
+        judge_bytes = _parameter_count(baseline_model) / judge_parameters if options.judge else None
+        results = {BASELINE.name: _agreement(reference, baseline_model, windows) | {"judge_bytes": judge_bytes}}
         baseline = _Timed(baseline_model, context, block)
         baseline.round()  # warm-up
         for name in tqdm(names, desc="quantization: measure", unit="scheme", disable=not progress):
             try:
                 results[name] = _measure_scheme(source, get_scheme(name), reference, windows, baseline, options)
+                results[name]["judge_bytes"] = judge_bytes
             except Exception as error:  # noqa: BLE001 — a scheme that cannot run on this machine is a result
                 results[name] = {"error": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
             gc.collect()  # the scheme's model is garbage now: free it before loading the next
