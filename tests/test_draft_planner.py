@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
 from viasd_hf.accept import Draft
-from viasd_hf.draft_planner import AcceptanceModel, DraftPlanner, MeasuredCosts, StaticCosts, weight_bytes
+from viasd_hf.draft_planner import CONFIDENCE_EDGES, AcceptanceModel, DraftPlanner, MeasuredCosts, StaticCosts, weight_bytes
 
 
 def drafted(planner: DraftPlanner, confidence: float, limit: int = 50) -> int:
@@ -89,3 +89,24 @@ def test_static_costs_follow_the_weights_each_drafter_reads():
     assert StaticCosts.for_drafter(target, target, None).drafter == pytest.approx(1.0)
     assert StaticCosts.for_drafter(target, small, None).drafter == pytest.approx(weight_bytes(small) / weight_bytes(target))
     assert StaticCosts.for_drafter(target, small, None).drafter < 1
+
+
+def test_very_confident_drafts_are_priced_apart_from_merely_confident_ones():
+    """On code a drafter is often 0.999 sure and right: with one bin for [0.9, 1] such drafts would be priced like the
+    0.92-sure ones that are kept only about as often, and blocks would end early."""
+    fine = DraftPlanner(StaticCosts(drafter=0.2), longest=15)
+    coarse = DraftPlanner(StaticCosts(drafter=0.2), longest=15, acceptance=AcceptanceModel(edges=CONFIDENCE_EDGES[:9]))
+    for planner in (fine, coarse):
+        for block in range(60):
+            planner.acceptance.observe([0.9995] * 12, judged=12, kept=12)
+            planner.acceptance.observe([0.92] * 4, judged=4, kept=block % 4)
+    assert fine.acceptance.kept(0.9995) > 0.99 > coarse.acceptance.kept(0.9995)
+    assert 0.5 < fine.acceptance.kept(0.92) < 0.9
+
+    def drafted(planner: DraftPlanner) -> int:
+        confidences = [0.9995]
+        while planner.keep_drafting(confidences):
+            confidences.append(0.9995)
+        return len(confidences)
+
+    assert drafted(fine) > drafted(coarse)

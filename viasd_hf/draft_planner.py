@@ -29,6 +29,7 @@ change the output (``ViaSDConfig.tier_switching="fixed"``), from the weights eac
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -58,16 +59,21 @@ class FadedMean:
         return (self.total + prior * prior_weight) / (self.weight + prior_weight)
 
 
+# Upper edges of the confidence bins. Above 0.9 the scale is logarithmic in 1 − c: on code a drafter is often
+# 0.999 sure and right, and one bin for [0.9, 1] would price such a draft like a 0.9 one and end blocks early.
+CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 0.999)
+
+
 @dataclass
 class AcceptanceModel:
     """``a(c)``: the chance a draft of drafter confidence ``c`` is kept, given the drafts before it were.
 
-    Confidences are binned; each bin's estimate starts at the confidence itself (a calibrated
-    drafter) and moves to what the verifiers kept. ``ā_j``, the mean at position ``j``, stands in
-    for a draft not yet made.
+    Confidences are binned (``CONFIDENCE_EDGES``); each bin's estimate starts at the middle of the
+    bin (a calibrated drafter) and moves to what the verifiers kept. ``ā_j``, the mean at position
+    ``j``, stands in for a draft not yet made.
     """
 
-    bins: int = 10
+    edges: tuple[float, ...] = CONFIDENCE_EDGES
     decay: float = 0.98
     prior_weight: float = 2.0
     by_confidence: list[FadedMean] = field(default_factory=list)
@@ -75,14 +81,15 @@ class AcceptanceModel:
     overall: FadedMean = field(default_factory=FadedMean)
 
     def __post_init__(self) -> None:
-        self.by_confidence = self.by_confidence or [FadedMean() for _ in range(self.bins)]
+        self.by_confidence = self.by_confidence or [FadedMean() for _ in range(len(self.edges) + 1)]
 
     def _bin(self, confidence: float) -> int:
-        return min(int(confidence * self.bins), self.bins - 1)
+        return bisect.bisect_right(self.edges, confidence)
 
     def kept(self, confidence: float) -> float:
-        prior = (self._bin(confidence) + 0.5) / self.bins
-        return self.by_confidence[self._bin(confidence)].mean(prior, self.prior_weight)
+        index = self._bin(confidence)
+        low, high = ((0.0, *self.edges)[index], (*self.edges, 1.0)[index])
+        return self.by_confidence[index].mean((low + high) / 2, self.prior_weight)
 
     def expected_at(self, position: int) -> float:
         overall = self.overall.mean(0.5, self.prior_weight)
