@@ -20,6 +20,8 @@ from conftest import (
     work_done,
 )
 from viasd_hf import RoutingMask, ViaSDConfig, ViaSDGenerationMixin, enable_viasd, viasd_generate
+from viasd_hf.decoding import LONGEST_TWO_TIER_DRAFT
+from viasd_hf.draft_planner import DraftPlanner
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -623,3 +625,16 @@ def test_custom_generate_folder_matches_enable_viasd(pair, masks):
     assert work_done(from_folder.viasd_stats) == work_done(expected.viasd_stats)
     assert_stats_consistent(from_folder.viasd_stats, 20, "tiered")
     assert from_folder.viasd_stats.slim_committed_tokens > 0 and from_folder.viasd_stats.drafter_forwards > 0
+
+
+@pytest.mark.parametrize("slim_tier", [False, True], ids=["two-tier", "slim-tier-on"])
+def test_only_blocks_the_slim_tier_may_verify_are_kept_within_its_backlog(pair, slim_tier, monkeypatch):
+    """The stop rule ends blocks; the bound is only a bound: 32 drafts when only the full model verifies, and below
+    ``max_slim_backlog`` when the slim tier may verify the block."""
+    target, _ = pair
+    monkeypatch.setattr(DraftPlanner, "keep_drafting", lambda self, confidences: True)
+    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), use_slim=slim_tier,
+                         tier_switching="fixed", num_draft_tokens=5)  # fmt: skip
+    out = viasd(target, prompt(0), config, max_new_tokens=40, assistant_model=target)
+    longest = len(out.viasd_stats.drafted_at_position)
+    assert longest == (min(3 * 5, config.max_slim_backlog - 1) if slim_tier else LONGEST_TWO_TIER_DRAFT)

@@ -39,6 +39,8 @@ from .tier_memory import mask_chooser, tier_choice
 from .verifier import TierLogits, Verifier
 from .vocabulary.head import SubsetHead
 
+LONGEST_TWO_TIER_DRAFT = 32  # drafts per block when only the full model verifies: a bound, the stop rule decides
+
 
 class ViaSDDecoder:
     """One generate call's worth of VIA-SD; ``run`` returns the committed sequence."""
@@ -93,7 +95,7 @@ class ViaSDDecoder:
         costs = static_costs(model, drafter)
         if measures_wall_clock(config.tier_switching, config.mode == "lossless", do_sample):
             costs = MeasuredCosts(costs)
-        return DraftPlanner(costs, longest=min(3 * config.num_draft_tokens, config.max_slim_backlog - 1))
+        return DraftPlanner(costs, longest=max(3 * config.num_draft_tokens, LONGEST_TWO_TIER_DRAFT))
 
     def run(self, state: DecodingState) -> DecodingState:
         """Decode from ``state`` (the prompt, an empty cache) until a stopping criterion or the length limit."""
@@ -124,10 +126,10 @@ class ViaSDDecoder:
     def step(self, state: DecodingState) -> None:
         """One block: draft, let a policy verify, commit, and tell the controller what it cost."""
         started = time.perf_counter()
-        draft = self.draft(state)
+        wants_slim = self.controller.use_slim() if self.controller is not None else True
+        draft = self.draft(state, slim_may_run=self.tiers.slim is not None and wants_slim)
         slim_backlog = state.length - state.target_cache.length - 1
         must_catch_up = slim_backlog + len(draft.tokens) + 1 > self.config.max_slim_backlog
-        wants_slim = self.controller.use_slim() if self.controller is not None else True
         slim_runs = self.tiers.slim is not None and wants_slim and bool(draft.tokens) and not must_catch_up
         shadow = slim_runs and self.controller is not None and self.controller.probes_in_shadow()
         tiers = self.chooser.tiers(self.tiers) if self.chooser is not None else self.tiers
@@ -151,8 +153,13 @@ class ViaSDDecoder:
         if self.check_invariants:
             state.target_cache.check()
 
-    def draft(self, state: DecodingState) -> Draft:
-        """The drafter's proposal, as long as the draft length allows and leaving room for the verifier's token."""
+    def draft(self, state: DecodingState, slim_may_run: bool) -> Draft:
+        """The drafter's proposal, as long as the draft length allows and leaving room for the verifier's token.
+
+        The planner's stop rule ends a block; its bound is only a bound. A block the slim tier may
+        verify is kept short enough for it (``3 · num_draft_tokens`` and below ``max_slim_backlog``);
+        a block only the full model verifies may run to ``LONGEST_TWO_TIER_DRAFT``, as HF's assisted
+        generation lets near-certain drafts run on."""
         room = self.max_length - state.length
         if room <= 1:
             return Draft([], [])
@@ -160,7 +167,10 @@ class ViaSDDecoder:
         if self.planner is None:
             draft = self.drafter.draft(state.ids, min(self.config.num_draft_tokens, room - 1), self.rng)
         else:
-            draft = self.drafter.draft(state.ids, min(self.planner.longest, room - 1), self.rng, self.planner.keep_drafting)
+            longest = self.planner.longest
+            if slim_may_run:
+                longest = min(3 * self.config.num_draft_tokens, self.config.max_slim_backlog - 1)
+            draft = self.drafter.draft(state.ids, min(longest, room - 1), self.rng, self.planner.keep_drafting)
         seconds = time.perf_counter() - started
         self.stats.record_draft(draft.forwards, seconds)
         if self.planner is not None and isinstance(self.planner.costs, MeasuredCosts):
