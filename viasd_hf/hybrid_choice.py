@@ -14,10 +14,10 @@ must be (``slim_estimates.Regime``). It is counted in committed tokens and weigh
 in seconds, so the choice, like the output, is the same on every run. Neither kind is trusted
 before it is seen: both start from the same prior, a model-drafted block's, and copying wins the
 tie, being free to try; so the first copy decides, and a prompt whose matches are wrong (a
-translation, an answer that only reuses a few words) pays for one wasted copy, not for the several a
-trusting prior takes to unlearn. The kind that loses is still tried now and then on a block that
-could copy, so a change of text is noticed: after ``explore_every`` such blocks, then after twice as many each time (up to
-``max_explore_every``) while the winner stays the same.
+translation, an answer that only reuses a few words) pays for one wasted copy, not for the
+several a trusting prior takes to unlearn. The kind that loses is still tried now and then on a
+block that could copy, so a change of text is noticed: after ``explore_every`` such blocks, then
+after twice as many each time (up to ``max_explore_every``) while the winner stays the same.
 """
 
 from __future__ import annotations

@@ -6,8 +6,16 @@ agreement with the float32 model, and :mod:`.choice` decides what ``auto`` means
 it. ``python -m viasd_hf.quantization --model NAME [--draft-for TARGET]`` prints the table.
 """
 
-from .choice import Acceptance, QuantizationChoice, cached_measure, choose, markdown_table, resolve_quantization
-from .drafting import DraftingAcceptance, choose_drafter
+from .choice import (
+    Acceptance,
+    QuantizationChoice,
+    cached_measure,
+    choose,
+    choose_drafter,
+    markdown_table,
+    resolve_quantization,
+)
+from .drafting import DraftingAcceptance
 from .measure import Measurement, MeasureOptions, measure
 from .schemes import (
     ALIASES,

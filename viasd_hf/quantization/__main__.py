@@ -7,8 +7,16 @@ from collections.abc import Sequence
 
 import torch
 
-from .choice import cache_key, cache_path, cached_measure, choose, cpu_identity, library_version, markdown_table
-from .drafting import choose_drafter
+from .choice import (
+    cache_key,
+    cache_path,
+    cached_measure,
+    choose,
+    choose_drafter,
+    cpu_identity,
+    library_version,
+    markdown_table,
+)
 from .measure import MeasureOptions
 from .schemes import SCHEMES
 

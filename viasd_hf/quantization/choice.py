@@ -15,13 +15,13 @@ import json
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..zoo import ZOO, viasd_home, zoo_revision
-from .drafting import DraftingAcceptance, choose_drafter, drafting_throughput
+from .drafting import DraftingAcceptance, drafting_throughput
 from .measure import Measurement, MeasureOptions, measure
 from .schemes import ALIASES, AUTO, BASELINE, SCHEMES, Scheme, get_scheme
 
@@ -74,15 +74,39 @@ class QuantizationChoice:
         return self.scheme is not BASELINE
 
 
-def choose(measurements: Sequence[Measurement], acceptance: Acceptance = Acceptance()) -> tuple[str, str]:
-    """``(scheme name, reason)``: the fastest scheme ``acceptance`` allows, else bf16."""
-    verdicts = {m.scheme: acceptance.rejects(m) for m in measurements if m.scheme != BASELINE.name}
+def _fastest_allowed(
+    measurements: Sequence[Measurement], rejects: Callable[[Measurement], str | None], speed: Callable[[Measurement], float]
+) -> tuple[Measurement | None, str]:
+    """The fastest quantised measurement that ``rejects`` lets through (None if none does), and why the others may not."""
+    verdicts = {m.scheme: rejects(m) for m in measurements if m.scheme != BASELINE.name}
     allowed = [m for m in measurements if m.scheme in verdicts and verdicts[m.scheme] is None]
     rejected = "; ".join(f"{name}: {why}" for name, why in verdicts.items() if why)
-    if not allowed:
+    return max(allowed, key=speed, default=None), rejected
+
+
+def choose(measurements: Sequence[Measurement], acceptance: Acceptance = Acceptance()) -> tuple[str, str]:
+    """``(scheme name, reason)``: the fastest scheme ``acceptance`` allows, else bf16."""
+    best, rejected = _fastest_allowed(measurements, acceptance.rejects, lambda m: 1 / m.cost)
+    if best is None:
         return BASELINE.name, f"no quantised scheme qualifies ({rejected})"
-    best = min(allowed, key=lambda m: m.cost)
     reason = f"the fastest that qualifies, {1 / best.cost:.2f}× the speed of bf16"
+    return best.scheme, reason + (f" (not: {rejected})" if rejected else "")
+
+
+def choose_drafter(
+    measurements: Sequence[Measurement], acceptance: DraftingAcceptance = DraftingAcceptance()
+) -> tuple[str, str]:
+    """``(scheme name, reason)``: the scheme with which the judge decodes fastest (:mod:`.drafting`), if
+    ``acceptance`` allows it, else bf16."""
+    baseline = next(m for m in measurements if m.scheme == BASELINE.name)
+    if baseline.judge_bytes is None:
+        raise ValueError("a drafter's measurements must be judged by its target (MeasureOptions.judge)")
+    best, rejected = _fastest_allowed(measurements, lambda m: acceptance.rejects(m, baseline), drafting_throughput)
+    if best is None:
+        return BASELINE.name, f"no quantised drafter qualifies ({rejected})"
+    gain = drafting_throughput(best) / drafting_throughput(baseline)
+    reason = (f"its target decodes {gain:.2f}× as fast as with the bf16 drafter (target agreement {best.top1:.3f} "
+              f"vs {baseline.top1:.3f}, pass {best.decode_ratio:.2f}× bf16)")  # fmt: skip
     return best.scheme, reason + (f" (not: {rejected})" if rejected else "")
 
 

@@ -8,17 +8,16 @@ share of positions where the target's argmax is the drafter's, a block of ``γ``
 ``1 + α + … + α^γ`` tokens and costs ``γ`` drafter passes plus one verifying pass of ``γ + 1``
 tokens. A drafter pass costs ``judge_bytes × decode_ratio`` verifying passes (bytes read, as
 ``draft_planner.StaticCosts`` prices it, times the scheme's measured speed against bf16).
-Each scheme is scored by its best block's tokens per unit of cost; batch-invariance is not needed.
+Each scheme is scored by its best block's tokens per unit of cost (``choice.choose_drafter`` picks the
+best); batch-invariance is not needed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..draft_planner import PER_TOKEN_SHARE
 from .measure import Measurement
-from .schemes import BASELINE
 
 MAX_DRAFTS = 16
 
@@ -51,21 +50,3 @@ class DraftingAcceptance:
             return f"its target decodes {gain:.2f}× as fast as with the bf16 drafter < {self.min_speedup}×"
         return None
 
-
-def choose_drafter(
-    measurements: Sequence[Measurement], acceptance: DraftingAcceptance = DraftingAcceptance()
-) -> tuple[str, str]:
-    """``(scheme name, reason)``: the scheme with which the judge decodes fastest, if ``acceptance`` allows it."""
-    baseline = next(m for m in measurements if m.scheme == BASELINE.name)
-    if baseline.judge_bytes is None:
-        raise ValueError("a drafter's measurements must be judged by its target (MeasureOptions.judge)")
-    verdicts = {m.scheme: acceptance.rejects(m, baseline) for m in measurements if m.scheme != BASELINE.name}
-    allowed = [m for m in measurements if m.scheme in verdicts and verdicts[m.scheme] is None]
-    rejected = "; ".join(f"{name}: {why}" for name, why in verdicts.items() if why)
-    if not allowed:
-        return BASELINE.name, f"no quantised drafter qualifies ({rejected})"
-    best = max(allowed, key=drafting_throughput)
-    gain = drafting_throughput(best) / drafting_throughput(baseline)
-    reason = (f"its target decodes {gain:.2f}× as fast as with the bf16 drafter (target agreement {best.top1:.3f} "
-              f"vs {baseline.top1:.3f}, pass {best.decode_ratio:.2f}× bf16)")  # fmt: skip
-    return best.scheme, reason + (f" (not: {rejected})" if rejected else "")
