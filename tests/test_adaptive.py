@@ -9,7 +9,7 @@ import torch
 
 from conftest import zoo
 from viasd_hf import RoutingMask, ViaSDConfig, decoding, enable_viasd, verifier
-from viasd_hf.adaptive import BlockCost, RepairLedger, TierController, WallClock, measures_wall_clock
+from viasd_hf.adaptive import BlockCost, RepairLedger, TierController, PricedBlocks, measures_wall_clock
 from viasd_hf.architectures import decoder_layers
 from viasd_hf.tier_memory import tier_memory
 
@@ -368,35 +368,41 @@ def test_measured_tier_switching_hands_the_choice_to_the_persisted_controller(mo
 
 
 def drive_tiered(controller: TierController, blocks: int, draft: float, slim: float, full: float,
-                 escalation_rate: float, tokens: int = 4, shadows: list[int] | None = None) -> list[bool]:
-    """Tiered blocks from their parts: drafting, the slim pass, and the full pass (two-tier blocks, escalations).
-    Shadow probes (the slim pass, then the full pass) are listed in ``shadows`` by block number."""
+                 escalation_rate: float, tokens: int = 4, shadows: list[int] | None = None,
+                 context_cost=lambda block: 1.0) -> list[bool]:
+    """Tiered blocks from their parts: drafting (``tokens`` drafter passes), the slim pass, and the full pass
+    (two-tier blocks, escalations), every part times ``context_cost(block)``. Shadow probes (the slim pass, then
+    the full pass) are listed in ``shadows`` by block number."""
     rng = random.Random(0)
     choices = []
     for block in range(blocks):
         on = controller.use_slim()
         choices.append(on)
         escalates = rng.random() < escalation_rate
+        scale = context_cost(block)
+        drafting = {"drafter_seconds": draft * scale, "drafter_passes": tokens}
         if on and controller.probes_in_shadow():  # the slim pass, then the full model decides
             would_commit = 0 if escalates else tokens
             if shadows is not None:
                 shadows.append(block)
-            controller.observe(BlockCost(True, draft + slim + full, tokens, slim, full, slim_would_commit=would_commit))
+            controller.observe(BlockCost(True, (draft + slim + full) * scale, tokens, slim * scale, full * scale,
+                                         slim_would_commit=would_commit, **drafting))
             continue
         full_pass = full if not on or escalates else 0.0
         slim_pass = slim if on else 0.0
-        controller.observe(BlockCost(on, draft + slim_pass + full_pass, tokens, slim_pass, full_pass))
+        controller.observe(BlockCost(on, (draft + slim_pass + full_pass) * scale, tokens, slim_pass * scale,
+                                     full_pass * scale, **drafting))
     return choices
 
 
 def test_a_tiered_slim_tier_whose_layers_alone_cost_too_much_is_never_run():
     """Keeping 95 % of the layers, even a block that never escalates saves too little to clear the margin."""
-    controller = TierController(slim_on=False, estimate=WallClock(kept_fraction=0.95))
+    controller = TierController(slim_on=False, estimate=PricedBlocks(kept_fraction=0.95))
     assert not any(drive_tiered(controller, 2000, draft=0.10, slim=0.29, full=0.30, escalation_rate=0.0))
 
 
 def test_a_tiered_slim_pass_measured_too_costly_is_not_probed_again():
-    controller = TierController(slim_on=False, estimate=WallClock(kept_fraction=0.3))
+    controller = TierController(slim_on=False, estimate=PricedBlocks(kept_fraction=0.3))
     choices = drive_tiered(controller, 2000, draft=0.10, slim=0.30, full=0.30, escalation_rate=0.0)
     assert not controller.switches
     assert 0 < sum(choices) <= controller.max_probe_blocks, "probed once: the prior allowed it, the measurement did not"
@@ -404,7 +410,7 @@ def test_a_tiered_slim_pass_measured_too_costly_is_not_probed_again():
 
 def test_a_tiered_slim_tier_that_saves_is_chosen():
     """Slim pass at half a full pass, one block in ten escalated: the slim tier pays and is switched on."""
-    controller = TierController(slim_on=False, estimate=WallClock(kept_fraction=0.5))
+    controller = TierController(slim_on=False, estimate=PricedBlocks(kept_fraction=0.5))
     choices = drive_tiered(controller, 400, draft=0.10, slim=0.15, full=0.30, escalation_rate=0.1)
     assert controller.switches and controller.switches[0]["slim_tier"] == "on"
     assert sum(choices[-200:]) > 0.9 * 200
@@ -412,7 +418,7 @@ def test_a_tiered_slim_tier_that_saves_is_chosen():
 
 def test_a_tiered_slim_tier_that_saves_is_found_by_shadow_probes():
     """Probed in shadow (the full model decides every probed block), the slim tier's savings are priced all the same."""
-    controller = TierController(slim_on=False, estimate=WallClock(kept_fraction=0.5), shadow_probes=True)
+    controller = TierController(slim_on=False, estimate=PricedBlocks(kept_fraction=0.5), shadow_probes=True)
     choices = drive_tiered(controller, 400, draft=0.10, slim=0.15, full=0.30, escalation_rate=0.1)
     assert controller.switches and controller.switches[0]["slim_tier"] == "on"
     assert "ms/token with the slim tier" in controller.switches[0]["reason"]
@@ -421,11 +427,25 @@ def test_a_tiered_slim_tier_that_saves_is_found_by_shadow_probes():
 
 def test_a_tiered_slim_tier_that_does_not_pay_is_only_ever_probed_in_shadow():
     """A slim pass at 0.9 of a full one escalating one block in three never pays: probes stay shadows."""
-    controller = TierController(slim_on=False, estimate=WallClock(kept_fraction=0.5), shadow_probes=True)
+    controller = TierController(slim_on=False, estimate=PricedBlocks(kept_fraction=0.5), shadow_probes=True)
     shadows: list[int] = []
     choices = drive_tiered(controller, 1000, draft=0.10, slim=0.27, full=0.30, escalation_rate=0.3, shadows=shadows)
     assert not controller.switches and not controller.slim_on
     assert 0 < len(shadows) == sum(choices) <= controller.max_probe_blocks, "probed once, in shadow, then left off"
+
+
+@pytest.mark.parametrize("slim_on", [True, False], ids=["starts-on", "starts-off"])
+def test_a_dearer_context_does_not_make_a_slim_tier_measured_earlier_look_cheap(slim_on):
+    """A slim tier that never pays (0.9 of a full pass, one block in three escalated), measured while the context
+    is short; then the context grows and every pass costs three times as much. Compared by wall time, the slim
+    tier's old, cheap blocks beat the two-tier blocks measured now, and it was switched on; priced at the same,
+    latest pass costs, it never is."""
+    controller = TierController(slim_on=slim_on, estimate=PricedBlocks(kept_fraction=0.5), shadow_probes=True)
+    choices = drive_tiered(controller, 600, draft=0.10, slim=0.27, full=0.30, escalation_rate=0.3,
+                           context_cost=lambda block: 1.0 if block < 200 else 3.0)
+    assert not controller.slim_on
+    assert [switch["slim_tier"] for switch in controller.switches] == (["off"] if slim_on else [])
+    assert sum(choices[200:]) <= 2 * controller.max_probe_blocks, "probes only"
 
 
 class ShadowEveryBlock(TierController):

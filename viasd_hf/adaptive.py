@@ -6,7 +6,9 @@ and then probes the other one, so a change of text or load is noticed. Every swi
 with its reason. What "measures" means depends on the mode:
 
 - **tiered**: a slim block saves the full pass unless it escalates, so the two regimes are
-  compared by their measured throughput (``WallClock``). While the slim tier is off, it is
+  compared by their throughput, each regime's blocks priced at the same, latest measured pass
+  costs (``PricedBlocks``: what each regime does per block is its own, what a pass costs is the
+  text's). While the slim tier is off, it is
   probed *in shadow* (``policies.shadow_tiered``): the slim pass runs and what it would have
   committed is priced, but the full model decides the block, so a probe of a slim tier that
   does not pay never puts its tokens in the output.
@@ -42,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .masks import RoutingMask
-from .slim_estimates import BlockCost, RepairLedger, SlimEstimate, WallClock
+from .slim_estimates import BlockCost, PricedBlocks, RepairLedger, SlimEstimate
 
 
 @dataclass
@@ -59,7 +61,7 @@ class TierController:
     """
 
     slim_on: bool = True  # the starting choice
-    estimate: SlimEstimate = field(default_factory=WallClock)
+    estimate: SlimEstimate = field(default_factory=PricedBlocks)
     first_probe: int = 8  # the regime the prior did not pick is measured early, once
     probe_every: int = 32  # blocks between probes after a switch; doubles while probes confirm the choice
     max_probe_every: int = 256
@@ -169,7 +171,7 @@ def new_controller(mask: RoutingMask, lossless: bool) -> TierController:
     slim_on = starts_with_slim_tier(mask, lossless)
     if lossless:
         return TierController(slim_on=slim_on, estimate=RepairLedger(len(mask.kept_layers) / mask.num_layers))
-    return TierController(slim_on=slim_on, estimate=WallClock(len(mask.kept_layers) / mask.num_layers), shadow_probes=True)
+    return TierController(slim_on=slim_on, estimate=PricedBlocks(len(mask.kept_layers) / mask.num_layers), shadow_probes=True)
 
 
 def starts_with_slim_tier(mask: RoutingMask, lossless: bool) -> bool:

@@ -127,7 +127,9 @@ class ViaSDDecoder:
         """One block: draft, let a policy verify, commit, and tell the controller what it cost."""
         started = time.perf_counter()
         wants_slim = self.controller.use_slim() if self.controller is not None else True
+        drafting_started = time.perf_counter()
         draft = self.draft(state, slim_may_run=self.tiers.slim is not None and wants_slim)
+        drafting = time.perf_counter() - drafting_started
         slim_backlog = state.length - state.target_cache.length - 1
         must_catch_up = slim_backlog + len(draft.tokens) + 1 > self.config.max_slim_backlog
         slim_runs = self.tiers.slim is not None and wants_slim and bool(draft.tokens) and not must_catch_up
@@ -146,7 +148,8 @@ class ViaSDDecoder:
                 self.planner.costs.observe_verifying(block.seconds["full"], block.rows.fed)
         if self.controller is not None:
             charged_to_slim = wants_slim or slim_backlog > 0
-            self.controller.observe(block_cost(block, charged_to_slim, time.perf_counter() - started))
+            seconds = time.perf_counter() - started
+            self.controller.observe(block_cost(block, charged_to_slim, seconds, drafting, draft.forwards))
             self.stats.slim_on_blocks += int(wants_slim and not shadow)
             self.stats.slim_off_blocks += int(not wants_slim or shadow)
             self.stats.slim_shadow_blocks += int(shadow)
@@ -204,8 +207,9 @@ class ViaSDDecoder:
         return state.length >= self.max_length or bool(self.stopping_criteria(state.ids, scores).any())
 
 
-def block_cost(block: BlockResult, charged_to_slim: bool, seconds: float) -> BlockCost:
-    """What the controller learns from a block.
+def block_cost(block: BlockResult, charged_to_slim: bool, seconds: float, drafting: float, drafter_passes: int) -> BlockCost:
+    """What the controller learns from a block (``drafting``: seconds spent drafting, in ``drafter_passes`` model
+    passes; a block that only copied drafts has none, and its drafting counts as other seconds).
 
     ``charged_to_slim``: a block that clears tokens the slim tier committed pays the slim tier's
     debt (the full model must still process them), so it counts as a slim-tier block even when
@@ -219,4 +223,6 @@ def block_cost(block: BlockResult, charged_to_slim: bool, seconds: float) -> Blo
         full_seconds=block.seconds["full"],
         repair_gain=block.repair_gain,
         slim_would_commit=block.slim_would_commit,
+        drafter_seconds=drafting if drafter_passes else 0.0,
+        drafter_passes=drafter_passes,
     )

@@ -1,14 +1,14 @@
 """What the adaptive controller measures: block costs, and each mode's estimate of what the slim tier saves.
 
-``WallClock`` (tiered mode) compares the two regimes' throughput and bounds the slim tier's best
-case by its pass cost; ``RepairLedger`` (lossless mode) prices the slim pass against the tokens its
+``PricedBlocks`` (tiered mode) compares the two regimes' blocks priced at the same, latest pass costs
+and bounds the slim tier's best case by its pass cost; ``RepairLedger`` (lossless mode) prices the slim pass against the tokens its
 repairs add. ``adaptive.TierController`` acts on either through ``SlimEstimate``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 
@@ -23,6 +23,18 @@ class BlockCost:
     full_seconds: float = 0.0  # of ``seconds``, spent in full passes
     repair_gain: int = 0  # lossless: tokens the slim tier's repair added to the block (−1, 0 or 1)
     slim_would_commit: int | None = None  # a shadow probe (tiered): tokens the slim tier would have committed, 0: escalated
+    drafter_seconds: float = 0.0  # of ``seconds``, spent in the drafter's passes
+    drafter_passes: int = 0
+
+    @property
+    def other_seconds(self) -> float:
+        """Seconds outside any pass: copying drafts, committing, bookkeeping."""
+        return self.seconds - self.slim_seconds - self.full_seconds - self.drafter_seconds
+
+    def pass_costs(self) -> dict[str, tuple[float, int]]:
+        """Seconds and count of each kind of pass the block ran."""
+        return {"drafter": (self.drafter_seconds, self.drafter_passes), "slim": (self.slim_seconds, int(self.slim_seconds > 0)),
+                "full": (self.full_seconds, int(self.full_seconds > 0))}
 
 
 @dataclass
@@ -103,73 +115,148 @@ class SlimEstimate(Protocol):
     def describe(self) -> str: ...
 
 
-@dataclass
-class WallClock:
-    """Tiered mode: each regime's measured throughput, drafting included, within ``z`` standard errors.
+PASSES = ("drafter", "slim", "full")  # the passes a block is counted in, besides its other seconds
 
-    It also prices the slim tier's best case, DIMR's insertion criterion measured online: a block
-    with the slim tier costs drafting ``D`` plus the slim pass ``S`` when nothing escalates, where
-    a two-tier block costs ``D`` plus the full pass ``F``; what a non-escalated block saves is
-    ``F − S``, and escalations only add to ``S``. So the slim tier cannot win once
-    ``(D + S) / t_slim`` is no cheaper than ``(D + F) / t_two_tier`` (``t``: tokens per block, the
-    slim tier's taken as the larger of the two until its own blocks are measured). Until a slim pass
-    is timed, ``S`` is the kept layers' share of ``F`` — less than it costs, since the embeddings and
-    the LM head still run — so a slim tier too costly even then is never probed.
+
+@dataclass
+class Prices:
+    """Seconds per drafter, slim and full pass: each a faded mean over the blocks that ran it, whichever regime.
+
+    They follow the text being decoded (a long context makes every pass dearer, for both regimes
+    at once); a pass that has not run for a while keeps the price it was last measured at.
+    """
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PASSES, 0.0))
+    passes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PASSES, 0.0))
+
+    def observe(self, block: BlockCost, decay: float) -> None:
+        for name, (seconds, count) in block.pass_costs().items():
+            if count:
+                self.seconds[name] = decay * self.seconds[name] + seconds
+                self.passes[name] = decay * self.passes[name] + count
+
+    def of(self, name: str) -> float | None:
+        return self.seconds[name] / self.passes[name] if self.passes[name] else None
+
+
+@dataclass
+class PassCounts:
+    """One regime's blocks as counts of passes: faded sums of ``x`` = (other seconds, drafter passes, slim passes,
+    full passes), of the tokens, and of their products, so that the blocks can be priced at any prices ``p``
+    (seconds = p·x, with p = (1, drafter, slim, full)) with the spread a throughput's standard error needs."""
+
+    regime: Regime = field(default_factory=Regime)  # tokens and blocks; its seconds are unused
+    x: list[float] = field(default_factory=lambda: [0.0] * 4)
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
+    xt: list[float] = field(default_factory=lambda: [0.0] * 4)
+
+    def observe(self, counts: list[float], tokens: float) -> None:
+        self.regime.observe(0.0, tokens)
+        for i, value in enumerate(counts):
+            self.x[i] += value
+            self.xt[i] += value * tokens
+            for j, other in enumerate(counts):
+                self.xx[i][j] += value * other
+
+    def fade(self, decay: float) -> None:
+        self.regime.fade(decay)
+        for i in range(4):
+            self.x[i] *= decay
+            self.xt[i] *= decay**2
+            for j in range(4):
+                self.xx[i][j] *= decay**2
+
+    def priced(self, prices: list[float]) -> Regime:
+        """The regime's seconds, had every block's passes cost ``prices``."""
+        dot = sum(p * x for p, x in zip(prices, self.x))
+        square = sum(prices[i] * prices[j] * self.xx[i][j] for i in range(4) for j in range(4))
+        cross = sum(p * xt for p, xt in zip(prices, self.xt))
+        return replace(self.regime, seconds=dot, seconds_sq=square, seconds_tokens=cross)
+
+    def mean(self, index: int) -> float:
+        return self.x[index] / self.regime.blocks if self.regime.blocks else 0.0
+
+
+@dataclass
+class PricedBlocks:
+    """Tiered mode: each regime's blocks counted in passes and priced at the latest measured pass costs.
+
+    Comparing the regimes' wall time per token would compare blocks decoded at different times: a
+    regime last measured on long summaries looks dear next to one measured on short questions, and
+    the controller would switch for the text, not the tier. So each regime keeps only what it
+    *does* per block — drafter passes, slim passes, full passes (an escalation adds one) and tokens
+    committed, plus the few seconds outside any pass — and both are priced at the same, latest
+    seconds per pass (``Prices``, measured on every block):
+
+        cost per token = (other + n_drafter·d + n_slim·S + n_full·F) / tokens,
+
+    within ``z`` standard errors (the blocks' spread in passes and tokens). It also prices the slim
+    tier's best case, DIMR's insertion criterion measured online: a two-tier block with its full
+    pass replaced by one slim pass that never escalates, committing as many tokens as the larger of
+    the two regimes' blocks. Until a slim pass is timed, ``S`` is the kept layers' share of ``F`` —
+    less than it costs, since the embeddings and the LM head still run — so a slim tier too costly
+    even then is never probed.
     """
 
     kept_fraction: float = 0.0  # of the target's layers the slim pass runs (0: no prior bound)
-    on: Regime = field(default_factory=Regime)
-    off: Regime = field(default_factory=Regime)
-    drafting: Regime = field(default_factory=Regime)  # seconds: a block's time outside the tiers' passes
-    slim_passes: Regime = field(default_factory=Regime)  # seconds per slim pass
-    full_passes: Regime = field(default_factory=Regime)  # seconds per block with a full pass
+    on: PassCounts = field(default_factory=PassCounts)
+    off: PassCounts = field(default_factory=PassCounts)
+    prices: Prices = field(default_factory=Prices)
     z: float = 2.5
 
     def observe(self, block: BlockCost, decay: float) -> None:
-        for regime in (self.on, self.off, self.drafting, self.slim_passes, self.full_passes):
-            regime.fade(decay)
+        self.on.fade(decay)
+        self.off.fade(decay)
+        self.prices.observe(block, decay)
+        other, drafter = block.other_seconds, float(block.drafter_passes)
         if block.slim_would_commit is None:
-            (self.on if block.slim else self.off).observe(block.seconds, block.tokens)
+            counts = [other, drafter, float(block.slim_seconds > 0), float(block.full_seconds > 0)]
+            (self.on if block.slim else self.off).observe(counts, block.tokens)
+            return
+        self.off.observe([other, drafter, 0.0, 1.0], block.tokens)
+        if block.slim_would_commit:
+            self.on.observe([other, drafter, 1.0, 0.0], block.slim_would_commit)
         else:
-            self.off.observe(block.seconds - block.slim_seconds, block.tokens)
-            if block.slim_would_commit:
-                self.on.observe(block.seconds - block.full_seconds, block.slim_would_commit)
-            else:
-                self.on.observe(block.seconds, block.tokens)
-        self.drafting.observe(block.seconds - block.slim_seconds - block.full_seconds, 0)
-        if block.slim_seconds:
-            self.slim_passes.observe(block.slim_seconds, 1)
-        if block.full_seconds:
-            self.full_passes.observe(block.full_seconds, 1)
+            self.on.observe([other, drafter, 1.0, 1.0], block.tokens)
+
+    def _price_list(self) -> list[float]:
+        """p = (1, drafter, slim, full); a pass no block has run yet is priced 0 (the slim pass: the kept layers' share
+        of the full one), which no count multiplies."""
+        full = self.prices.of("full") or 0.0
+        slim = self.prices.of("slim")
+        return [1.0, self.prices.of("drafter") or 0.0, self.kept_fraction * full if slim is None else slim, full]
 
     def cost_ratio(self) -> tuple[float, float] | None:
-        on, off = self.on.seconds_per_token, self.off.seconds_per_token
-        if on is None or not off:
+        prices = self._price_list()
+        on, off = self.on.priced(prices), self.off.priced(prices)
+        on_rate, off_rate = on.seconds_per_token, off.seconds_per_token
+        if not on_rate or not off_rate:
             return None
-        relative_error = math.hypot(self.on.seconds_per_token_error / on, self.off.seconds_per_token_error / off)
+        relative_error = math.hypot(on.seconds_per_token_error / on_rate, off.seconds_per_token_error / off_rate)
         spread = math.exp(min(self.z * relative_error, 50.0))  # on the log scale, where a ratio's errors add
-        return on / off / spread, on / off * spread
+        return on_rate / off_rate / spread, on_rate / off_rate * spread
 
     def best_case_ratio(self) -> float | None:
-        draft, full = self.drafting.seconds_per_block, self.full_passes.seconds_per_block
-        two_tier_tokens = self.off.tokens_per_block
-        if draft is None or full is None or not two_tier_tokens:
+        prices = self._price_list()
+        two_tier_tokens = self.off.regime.tokens_per_block
+        if not two_tier_tokens or not self.off.mean(3) or not prices[2]:
             return None
-        slim = self.slim_passes.seconds_per_block
-        if slim is None:
-            if not self.kept_fraction:
-                return None
-            slim = self.kept_fraction * full
-        slim_tokens = max(self.on.tokens_per_block or 0.0, two_tier_tokens)
-        return (draft + slim) / slim_tokens / ((draft + full) / two_tier_tokens)
+        _, drafter, slim, full = prices
+        shared = self.off.mean(0) + self.off.mean(1) * drafter
+        slim_tokens = max(self.on.regime.tokens_per_block or 0.0, two_tier_tokens)
+        return (shared + slim) / slim_tokens / ((shared + self.off.mean(3) * full) / two_tier_tokens)
 
     def describe(self) -> str:
-        def cost(regime: Regime) -> str:
+        prices = self._price_list()
+
+        def cost(counts: PassCounts) -> str:
+            regime = counts.priced(prices)
             if regime.seconds_per_token is None:
                 return "not measured"
             return f"{regime.seconds_per_token * 1000:.1f} ± {regime.seconds_per_token_error * 1000:.1f} ms/token"
 
-        return f"{cost(self.on)} with the slim tier vs {cost(self.off)} without"
+        passes = ", ".join(f"{name} {self.prices.of(name) * 1000:.1f}" for name in PASSES if self.prices.of(name) is not None)
+        return f"{cost(self.on)} with the slim tier vs {cost(self.off)} without (ms per pass: {passes or 'none yet'})"
 
 
 @dataclass
