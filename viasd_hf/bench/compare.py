@@ -24,8 +24,8 @@ LEVERS = (
     ("hybrid drafting (tiered)", "viasd_hybrid", "viasd"),
     ("draft vocabulary", "viasd_lossless_hybrid", "viasd_lossless_hybrid_fullvocab"),
     ("cost model (draft planner + slim switch)", "viasd_lossless_hybrid", "viasd_lossless_hybrid_nocost"),
-    ("4-bit target, HF assisted", "hf_assisted", "hf_assisted_bf16"),
-    ("4-bit target + ours vs HF assisted bf16", "viasd_lossless_hybrid", "hf_assisted_bf16"),
+    ("quantised models (--quantize), HF assisted", "hf_assisted", "hf_assisted_bf16"),
+    ("quantised models + ours vs HF assisted bf16", "viasd_lossless_hybrid", "hf_assisted_bf16"),
 )
 QUALITY_KEYS = ("rougeL", "bleu", "exact_match", "pass@1")
 
