@@ -8,10 +8,9 @@ with its reason. What "measures" means depends on the mode:
 - **tiered**: a slim block saves the full pass unless it escalates, so the two regimes are
   compared by their throughput, each regime's blocks priced at the same, latest measured pass
   costs (``PricedBlocks``: what each regime does per block is its own, what a pass costs is the
-  text's). While the slim tier is off, it is
-  probed *in shadow* (``policies.shadow_tiered``): the slim pass runs and what it would have
-  committed is priced, but the full model decides the block, so a probe of a slim tier that
-  does not pay never puts its tokens in the output.
+  text's). While the slim tier is off, it is probed *in shadow* (``policies.shadow_tiered``): the
+  slim pass runs and what it would have committed is priced, but the full model decides the
+  block, so a probe of a slim tier that does not pay never puts its tokens in the output.
 - **lossless**: the full model verifies every block anyway; the slim tier only adds a pass, and
   adds at most one token — a repaired draft the full model keeps. So every block measures the
   two-tier cost (its seconds and tokens less the slim tier's share), and slim blocks measure

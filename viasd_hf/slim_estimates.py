@@ -1,8 +1,9 @@
 """What the adaptive controller measures: block costs, and each mode's estimate of what the slim tier saves.
 
-``PricedBlocks`` (tiered mode) compares the two regimes' blocks priced at the same, latest pass costs
-and bounds the slim tier's best case by its pass cost; ``RepairLedger`` (lossless mode) prices the slim pass against the tokens its
-repairs add. ``adaptive.TierController`` acts on either through ``SlimEstimate``.
+``PricedBlocks`` (tiered mode) compares the two regimes' blocks priced at the same, latest pass
+costs and bounds the slim tier's best case by its pass cost; ``RepairLedger`` (lossless mode)
+prices the slim pass against the tokens its repairs add. ``adaptive.TierController`` acts on
+either through ``SlimEstimate``.
 """
 
 from __future__ import annotations
