@@ -126,8 +126,9 @@ def test_two_tier_equals_hf_assisted_generation(pair, seed, threshold, monkeypat
     scikit-learn is installed) differ from ViaSDConfig's (5 tokens, a fixed 0.4, a draft length
     that follows acceptance), so both sides are set to one constant schedule. HF only re-fits the
     threshold when scikit-learn is importable; that is turned off so the threshold stays fixed.
-    HF reports no statistics, so the target's forward calls are counted on both sides: HF feeds the
-    prompt with the first draft in one call, VIA-SD prefills the prompt but its last token first.
+    HF reports no statistics, so the target's and the drafter's forward calls are counted on both
+    sides: HF feeds the prompt with the first draft in one call, VIA-SD prefills the prompt but its
+    last token first.
     """
     import transformers.generation.candidate_generator as candidate_generator
 
@@ -150,7 +151,8 @@ def test_two_tier_equals_hf_assisted_generation(pair, seed, threshold, monkeypat
     assert stats.drafted_tokens == hf_drafted
     assert stats.accepted_tokens == 24 - len(hf_target.calls) > 0
     assert stats.decode_full_forwards == len(hf_target.calls)
-    assert len(our_drafts.calls) == len(hf_drafts.calls) == stats.drafter_forwards, "one drafter call per draft token"
+    assert our_drafts.calls[0] == ids.shape[1] - 1, "the drafter, too, prefills the prompt but its last token"
+    assert len(our_drafts.calls) - 1 == len(hf_drafts.calls) == stats.drafter_forwards, "one drafter call per draft token"
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -638,3 +640,22 @@ def test_only_blocks_the_slim_tier_may_verify_are_kept_within_its_backlog(pair, 
     out = viasd(target, prompt(0), config, max_new_tokens=40, assistant_model=target)
     longest = len(out.viasd_stats.drafted_at_position)
     assert longest == (min(3 * 5, config.max_slim_backlog - 1) if slim_tier else LONGEST_TWO_TIER_DRAFT)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["model", "hybrid"])
+def test_the_drafter_processes_the_prompt_before_the_first_block(masks, hybrid):
+    """The prompt is the drafter's prefill, not its first drafting pass: the draft planner and the tier controller
+    price drafting from those timings, and a long prompt would make the drafter look dear for dozens of blocks."""
+    target = enable_viasd(tiny_causal_lm("llama", seed=0))
+    assistant = perturbed_copy(target, 0.003, seed=1)
+    fed: list[int] = []
+    handle = assistant.register_forward_pre_hook(lambda module, args, kwargs: fed.append((args[0] if args else kwargs["input_ids"]).shape[1]),
+                                                 with_kwargs=True)
+    ids = prompt(5, length=24)
+    extra = {"prompt_lookup_num_tokens": 3} if hybrid else {}
+    out = target.generate(ids, assistant_model=assistant, viasd_config=ViaSDConfig(routing_mask=masks[0], mode="lossless"),
+                          max_new_tokens=12, return_dict_in_generate=True, **GREEDY, **extra)
+    handle.remove()
+    assert fed[0] == ids.shape[1] - 1, "the prompt but its last token, in one pass"
+    assert fed[1] <= 2, "the first drafting pass feeds the last token (and any token since), not the prompt"
+    assert out.viasd_stats.drafter_forwards == len(fed) - 1, "the prefill is not counted as a drafting pass"

@@ -72,6 +72,9 @@ class ForbiddenDrafter:
     def commit(self, ids) -> None:
         pass
 
+    def prefill(self, ids) -> None:
+        pass
+
 
 @pytest.fixture
 def forbidden_drafter(monkeypatch):

@@ -116,12 +116,15 @@ class ViaSDDecoder:
         return state
 
     def prefill(self, state: DecodingState) -> None:
-        """The full model processes the prompt but its last token, which opens the first block."""
+        """The full model, then the drafter, process the prompt but its last token, which opens the first block."""
         if state.length > 1:
             started = time.perf_counter()
             state.target_cache.run(self.model, state.ids[:, :-1], 0, keep=1)
             state.target_cache.keep(state.length - 1)
             self.stats.record_prefill(time.perf_counter() - started)
+            started = time.perf_counter()
+            self.drafter.prefill(state.ids)
+            self.stats.record_draft(0, time.perf_counter() - started)
 
     def step(self, state: DecodingState) -> None:
         """One block: draft, let a policy verify, commit, and tell the controller what it cost."""

@@ -50,6 +50,10 @@ class Drafter(Protocol):
     def commit(self, ids: torch.Tensor) -> None:
         """``ids`` are now committed: forget whatever the drafter processed that is not on them."""
 
+    def prefill(self, ids: torch.Tensor) -> None:
+        """Process the prompt ``ids`` but its last token before the first block, so that the first draft costs what
+        a drafting pass costs: the draft planner and the tier controller price drafting from its timings."""
+
 
 class _ModelDrafter:
     """Drafting with a causal LM, greedy or sampling from the processed distribution; it stops early once
@@ -86,6 +90,13 @@ class _ModelDrafter:
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the last of ``tokens``, fed after what was fed before."""
         raise NotImplementedError
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> None:
+        prompt = self._pending(ids)[:, :-1]
+        if prompt.shape[1]:
+            with self._drafting():
+                self._forward(prompt)
 
     @torch.no_grad()
     def draft(
@@ -248,6 +259,9 @@ class PromptLookupDrafter:
     def commit(self, ids: torch.Tensor) -> None:
         """Stateless: the lookup reads the committed sequence afresh each block."""
 
+    def prefill(self, ids: torch.Tensor) -> None:
+        """Nothing to process: the lookup reads the committed sequence afresh each block."""
+
 
 class HybridDrafter:
     """Prompt lookup when the trailing n-gram occurred before, else a model drafter.
@@ -284,3 +298,6 @@ class HybridDrafter:
             self.choice.observe(copies, ids.shape[-1] - length, passes)
         self._pending_block = None
         self.model_drafter.commit(ids)
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        self.model_drafter.prefill(ids)
