@@ -11,6 +11,7 @@ approximation every rule shares. Throughput is tokens per one-token target pass.
 
     python bench/studies/draft_stop_rule/study.py collect traces.json
     python bench/studies/draft_stop_rule/study.py replay traces.json
+    python bench/studies/draft_stop_rule/study.py rows    # the verify pass's seconds by tokens fed
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ def _pass_seconds(model: torch.nn.Module, ids: torch.Tensor, tokens: int, repeat
         model(ids[:, -tokens:], past_key_values=fresh, use_cache=True)
         seconds.append(time.perf_counter() - started)
     return sorted(seconds)[repeats // 2]
+
+
+def rows() -> None:
+    """Median seconds of a bf16 target pass over 1–32 tokens after 400 cached ones: is ``a + b·tokens`` linear?"""
+    from viasd_hf.models import load_pretrained
+
+    torch.set_num_threads(1)
+    target, _ = load_pretrained(TARGET, dtype="bfloat16")
+    with torch.no_grad():
+        for tokens in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32):
+            context = torch.randint(100, 20000, (1, 400 + tokens), generator=torch.Generator().manual_seed(0))
+            print(f"{tokens:2d} tokens: {_pass_seconds(target, context, tokens, repeats=5) * 1000:.1f} ms")
 
 
 @dataclass
@@ -239,7 +252,7 @@ def replay(path: str) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["collect", "replay"])
-    parser.add_argument("traces")
+    parser.add_argument("action", choices=["collect", "replay", "rows"])
+    parser.add_argument("traces", nargs="?", default="traces.json")
     arguments = parser.parse_args()
-    collect(arguments.traces) if arguments.action == "collect" else replay(arguments.traces)
+    {"collect": lambda: collect(arguments.traces), "replay": lambda: replay(arguments.traces), "rows": rows}[arguments.action]()
