@@ -130,9 +130,7 @@ class ViaSDDecoder:
         """One block: draft, let a policy verify, commit, and tell the controller what it cost."""
         started = time.perf_counter()
         wants_slim = self.controller.use_slim() if self.controller is not None else True
-        drafting_started = time.perf_counter()
-        draft = self.draft(state, slim_may_run=self.tiers.slim is not None and wants_slim)
-        drafting = time.perf_counter() - drafting_started
+        draft, drafting = self.draft(state, slim_may_run=self.tiers.slim is not None and wants_slim)
         slim_backlog = state.length - state.target_cache.length - 1
         must_catch_up = slim_backlog + len(draft.tokens) + 1 > self.config.max_slim_backlog
         slim_runs = self.tiers.slim is not None and wants_slim and bool(draft.tokens) and not must_catch_up
@@ -159,8 +157,9 @@ class ViaSDDecoder:
         if self.check_invariants:
             state.target_cache.check()
 
-    def draft(self, state: DecodingState, slim_may_run: bool) -> Draft:
-        """The drafter's proposal, as long as the draft length allows and leaving room for the verifier's token.
+    def draft(self, state: DecodingState, slim_may_run: bool) -> tuple[Draft, float]:
+        """The drafter's proposal, as long as the draft length allows and leaving room for the verifier's token,
+        and the seconds it took.
 
         The planner's stop rule ends a block; its bound is only a bound. A block the slim tier may
         verify is kept short enough for it (``3 · num_draft_tokens`` and below ``max_slim_backlog``);
@@ -168,7 +167,7 @@ class ViaSDDecoder:
         generation lets near-certain drafts run on."""
         room = self.max_length - state.length
         if room <= 1:
-            return Draft([], [])
+            return Draft([], []), 0.0
         started = time.perf_counter()
         if self.planner is None:
             draft = self.drafter.draft(state.ids, min(self.config.num_draft_tokens, room - 1), self.rng)
@@ -181,7 +180,7 @@ class ViaSDDecoder:
         self.stats.record_draft(draft.forwards, seconds)
         if self.planner is not None and isinstance(self.planner.costs, MeasuredCosts):
             self.planner.costs.observe_drafting(seconds, draft.forwards)
-        return draft
+        return draft, seconds
 
     def commit(self, state: DecodingState, block: BlockResult) -> None:
         """Append the block's tokens one at a time, honouring max length and stopping criteria mid-block."""

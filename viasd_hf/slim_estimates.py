@@ -209,9 +209,10 @@ class PricedBlocks:
         self.on.fade(decay)
         self.off.fade(decay)
         self.prices.observe(block, decay)
-        other, drafter = block.other_seconds, float(block.drafter_passes)
+        passes = {name: float(count) for name, (_, count) in block.pass_costs().items()}
+        other, drafter = block.other_seconds, passes["drafter"]
         if block.slim_would_commit is None:
-            counts = [other, drafter, float(block.slim_seconds > 0), float(block.full_seconds > 0)]
+            counts = [other, drafter, passes["slim"], passes["full"]]
             (self.on if block.slim else self.off).observe(counts, block.tokens)
             return
         self.off.observe([other, drafter, 0.0, 1.0], block.tokens)
