@@ -19,13 +19,16 @@ from typing import Any
 LEVERS = (
     ("slim tier (tiered)", "viasd", "two_tier"),
     ("slim tier (tiered, hybrid)", "viasd_hybrid", "two_tier_hybrid"),
+    ("slim tier (lossless)", "viasd_lossless", "two_tier"),
     ("slim tier (lossless, hybrid)", "viasd_lossless_hybrid", "two_tier_hybrid"),
     ("hybrid drafting (lossless)", "viasd_lossless_hybrid", "viasd_lossless"),
     ("hybrid drafting (tiered)", "viasd_hybrid", "viasd"),
-    ("draft vocabulary", "viasd_lossless_hybrid", "viasd_lossless_hybrid_fullvocab"),
-    ("cost model (draft planner + slim switch)", "viasd_lossless_hybrid", "viasd_lossless_hybrid_nocost"),
+    ("draft vocabulary (lossless)", "viasd_lossless", "viasd_lossless_fullvocab"),
+    ("draft vocabulary (lossless, hybrid)", "viasd_lossless_hybrid", "viasd_lossless_hybrid_fullvocab"),
+    ("cost model: draft planner + slim switch (lossless)", "viasd_lossless", "viasd_lossless_nocost"),
+    ("cost model: draft planner + slim switch (lossless, hybrid)", "viasd_lossless_hybrid", "viasd_lossless_hybrid_nocost"),
     ("quantised models (--quantize), HF assisted", "hf_assisted", "hf_assisted_bf16"),
-    ("quantised models + ours vs HF assisted bf16", "viasd_lossless_hybrid", "hf_assisted_bf16"),
+    ("quantised models + ours vs HF assisted bf16", "viasd_lossless", "hf_assisted_bf16"),
 )
 QUALITY_KEYS = ("rougeL", "bleu", "exact_match", "pass@1")
 
