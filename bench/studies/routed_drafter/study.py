@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,40 +27,41 @@ TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 PROMPTS = (("humaneval", 3), ("spec_bench", 1))  # spec_bench: the first of each task, 3 kept
 
 
-def pass_seconds(model: torch.nn.Module, repeats: int = 7) -> float:
-    """Median seconds of a one-token pass after 300 cached tokens."""
-    context = torch.randint(100, 20000, (1, 300))
-    cache = model(context[:, :-1], use_cache=True).past_key_values
+def median_ms(work: Callable[[Any], Any], prepare: Callable[[], Any] = lambda: None, repeats: int = 15) -> float:
+    """Median milliseconds of ``work(prepare())``, timing ``work`` only (``prepare`` makes a fresh cache, say)."""
     seconds = []
     for _ in range(repeats):
-        fresh = copy.deepcopy(cache)
+        prepared = prepare()
         started = time.perf_counter()
-        model(context[:, -1:], past_key_values=fresh, use_cache=True)
-        seconds.append(time.perf_counter() - started)
-    return sorted(seconds)[repeats // 2]
-
-
-def median_ms(work, repeats: int = 15) -> float:
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        work()
+        work(prepared)
         seconds.append(time.perf_counter() - started)
     return 1000 * sorted(seconds)[repeats // 2]
 
 
+def cached_context(model: torch.nn.Module, length: int = 300) -> tuple[torch.Tensor, Any]:
+    """A random context of ``length`` tokens and ``model``'s cache of all of them but the last."""
+    context = torch.randint(100, 20000, (1, length))
+    return context, model(context[:, :-1], use_cache=True).past_key_values
+
+
+def pass_ms(model: torch.nn.Module) -> float:
+    """Median milliseconds of a one-token pass after 300 cached tokens."""
+    context, cache = cached_context(model)
+    return median_ms(lambda fresh: model(context[:, -1:], past_key_values=fresh, use_cache=True),
+                     prepare=lambda: copy.deepcopy(cache), repeats=7)
+
+
 def pass_pieces(model: torch.nn.Module, vocabulary_rows: int = 32768) -> None:
     """A one-token pass piece by piece: the decoder body, then the LM head on the draft vocabulary's rows and on all."""
-    context = torch.randint(100, 20000, (1, 300))
-    cache = model(context[:, :-1], use_cache=True).past_key_values
+    context, cache = cached_context(model)
     body = model.get_decoder()
     hidden = body(input_ids=context[:, -1:], past_key_values=copy.deepcopy(cache), use_cache=True).last_hidden_state[0]
     weight = model.get_output_embeddings().weight
     rows = weight[torch.linspace(0, weight.shape[0] - 1, vocabulary_rows).long()].contiguous()
-    copying = median_ms(lambda: copy.deepcopy(cache))
-    running = median_ms(lambda: body(input_ids=context[:, -1:], past_key_values=copy.deepcopy(cache), use_cache=True))
-    print(f"body {running - copying:.1f} ms · head {vocabulary_rows} rows {median_ms(lambda: hidden @ rows.T):.1f} ms · "
-          f"head all {weight.shape[0]} rows {median_ms(lambda: hidden @ weight.T):.1f} ms")
+    running = median_ms(lambda fresh: body(input_ids=context[:, -1:], past_key_values=fresh, use_cache=True),
+                        prepare=lambda: copy.deepcopy(cache))
+    print(f"body {running:.1f} ms · head {vocabulary_rows} rows {median_ms(lambda _: hidden @ rows.T):.1f} ms · "
+          f"head all {weight.shape[0]} rows {median_ms(lambda _: hidden @ weight.T):.1f} ms")
 
 
 @torch.no_grad()
@@ -85,10 +88,10 @@ def main() -> None:
                 counts = matches.setdefault(dataset, [0, 0])
                 counts[0] += int((argmax == sequence[0, start:]).sum())
                 counts[1] += sequence.shape[1] - start
-            seconds = pass_seconds(drafter)
-        whole = whole or seconds
+            milliseconds = pass_ms(drafter)
+        whole = whole or milliseconds
         rates = "  ".join(f"{dataset} match {kept / total:.3f}" for dataset, (kept, total) in matches.items())
-        print(f"skip {str(skipped):22s} pass {1000 * seconds:5.1f} ms ({seconds / whole:.2f})  {rates}", flush=True)
+        print(f"skip {str(skipped):22s} pass {milliseconds:5.1f} ms ({milliseconds / whole:.2f})  {rates}", flush=True)
 
 
 if __name__ == "__main__":
