@@ -124,3 +124,68 @@ def test_very_confident_drafts_are_priced_apart_from_merely_confident_ones():
         return len(confidences)
 
     assert drafted(fine) > drafted(coarse)
+
+
+def planner_weight(planner: DraftPlanner) -> float:
+    """How much calibration evidence a planner holds."""
+    return sum(mean.weight for mean in planner.acceptance.by_confidence)
+
+
+def test_the_planner_is_remembered_across_calls_where_timings_may_steer_and_nowhere_else():
+    """As HF keeps its assistant's draft length on the assistant, a lossless greedy call starts from what the
+    last call on the model learned; a sampling call, whose draws draft lengths change, starts afresh."""
+    from conftest import near_copy
+    from viasd_hf import ViaSDConfig, enable_viasd
+    from viasd_hf.tier_memory import tier_memory
+
+    target = enable_viasd(tiny_causal_lm("llama", seed=0))
+    drafter = near_copy(target)
+    memory = tier_memory(target)
+
+    def generate(config: ViaSDConfig, do_sample: bool = False) -> None:
+        torch.manual_seed(0)
+        target.generate(torch.tensor([[3, 17, 5, 9]]), assistant_model=drafter, viasd_config=config,
+                        max_new_tokens=16, do_sample=do_sample, pad_token_id=0)
+
+    lossless = ViaSDConfig(mode="lossless", use_slim=False)
+    generate(lossless)
+    (key, first), = memory.planners.items()
+    evidence = planner_weight(first)
+    assert evidence > 0 and isinstance(first.costs, MeasuredCosts)
+    generate(lossless)
+    assert memory.planners[key] is not first and planner_weight(memory.planners[key]) > evidence, "built on the last"
+    generate(ViaSDConfig(mode="lossless", use_slim=False), do_sample=True)
+    generate(ViaSDConfig(mode="lossless", use_slim=False, tier_switching="fixed"))
+    assert list(memory.planners) == [key], "reproducible calls remember nothing"
+    memory.reset()
+    assert not memory.planners
+
+
+def test_each_call_plans_with_its_own_copy_of_the_remembered_planner():
+    from viasd_hf.tier_memory import TierMemory
+
+    memory = TierMemory()
+    remembered = DraftPlanner(StaticCosts(drafter=0.2), longest=15)
+    memory.remember_planner("key", remembered)
+    copy = memory.planner("key", lambda: DraftPlanner(StaticCosts(drafter=0.9), longest=15))
+    assert copy is not remembered and copy.costs.drafter == 0.2
+    copy.acceptance.observe([0.95], judged=1, kept=1)
+    assert planner_weight(remembered) == 0, "a call never updates the remembered planner while another reads it"
+
+
+def test_drafters_that_differ_in_model_vocabulary_or_skipped_layers_are_measured_apart():
+    from transformers import LogitsProcessorList
+
+    from viasd_hf.decoding import drafter_identity
+    from viasd_hf.drafters import AssistantDrafter
+    from viasd_hf.vocabulary.head import SubsetHead
+
+    model, other = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=1)
+    identities = {
+        drafter_identity(AssistantDrafter(model, LogitsProcessorList(), None)),
+        drafter_identity(AssistantDrafter(other, LogitsProcessorList(), None)),
+        drafter_identity(AssistantDrafter(model, LogitsProcessorList(), None, head=SubsetHead(model, range(40)))),
+        drafter_identity(AssistantDrafter(model, LogitsProcessorList(), None, head=SubsetHead(model, range(50)))),
+    }
+    assert len(identities) == 4
+    assert drafter_identity(AssistantDrafter(model, LogitsProcessorList(), None)) in identities

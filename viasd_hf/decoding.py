@@ -27,7 +27,7 @@ from .accept import Draft
 from .adaptive import BlockCost, measures_wall_clock
 from .config import ViaSDConfig
 from .draft_planner import DraftPlanner, MeasuredCosts, static_costs
-from .drafters import Drafter
+from .drafters import Drafter, HybridDrafter
 from .mask_chooser import MaskChoice
 from .mask_set import MaskSet
 from .masks import RoutingMask
@@ -35,7 +35,7 @@ from .policies import BlockResult, Policy, Tiers, VerificationRules, lossless, s
 from .sampling import RandomStream
 from .state import DecodingState
 from .stats import ViaSDStats
-from .tier_memory import mask_chooser, tier_choice
+from .tier_memory import draft_planner, mask_chooser, planner_key, tier_choice, tier_memory
 from .verifier import TierLogits, Verifier
 from .vocabulary.head import SubsetHead
 
@@ -73,7 +73,7 @@ class ViaSDDecoder:
         self.stats = ViaSDStats()
         self.rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of this call
         self.chooser = None
-        drafter_key = (drafter.name, id(getattr(drafter, "model", None)))
+        drafter_key = drafter_identity(drafter)
         if isinstance(slim_mask, MaskSet):
             self.chooser = MaskChoice.for_set(slim_mask, model, logits_processor, slim_head,
                                               mask_chooser(model, slim_mask, drafter_key, config, do_sample))
@@ -86,7 +86,10 @@ class ViaSDDecoder:
         if config.adaptive and slim_mask is not None:
             self.controller = tier_choice(model, slim_mask, drafter_key, config, do_sample)
         self._first_switch = len(self.controller.switches) if self.controller is not None else 0
-        self.planner = self._draft_planner(model, drafter, config, do_sample) if config.adaptive else None
+        self.planner_key = planner_key(drafter_key, slim_mask, config, do_sample) if config.adaptive else None
+        self.planner = None
+        if config.adaptive:
+            self.planner = draft_planner(model, self.planner_key, lambda: self._draft_planner(model, drafter, config, do_sample))
         self.finished = False
 
     @staticmethod
@@ -112,6 +115,8 @@ class ViaSDDecoder:
             self.stats.slim_tier_verdict = self.controller.verdict()
         if self.chooser is not None:
             self.stats.mask_choice = self.chooser.report()
+        if self.planner_key is not None:
+            tier_memory(self.model).remember_planner(self.planner_key, self.planner)
         self.stats.seconds["total"] = time.perf_counter() - started
         return state
 
@@ -207,6 +212,15 @@ class ViaSDDecoder:
         every new token's processed scores when ``output_scores`` keeps them, else ``None``."""
         scores = tuple(state.scores) if self.keep_scores else None
         return state.length >= self.max_length or bool(self.stopping_criteria(state.ids, scores).any())
+
+
+def drafter_identity(drafter: Drafter) -> tuple:
+    """What tells one drafter's measurements from another's: its kind, its model, the layers a self-drafter skips
+    and its draft vocabulary."""
+    model_drafter = drafter.model_drafter if isinstance(drafter, HybridDrafter) else drafter
+    head, mask = getattr(model_drafter, "head", None), getattr(model_drafter, "mask", None)
+    return (drafter.name, id(getattr(model_drafter, "model", None)), tuple(mask.kept_layers) if mask is not None else None,
+            head.key if head is not None else None)
 
 
 def block_cost(block: BlockResult, charged_to_slim: bool, seconds: float, drafting: float, drafter_passes: int) -> BlockCost:

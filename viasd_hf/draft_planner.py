@@ -29,6 +29,8 @@ Where the costs come from (``PassCosts``): measured on the fly (``MeasuredCosts`
 estimates from every block's timings, starting from the static guess), or, where timings must not
 change the output (``ViaSDConfig.tier_switching="fixed"``), from the weights each pass reads
 (``StaticCosts``): decoding one token is memory-bound, so a pass costs about the bytes it reads.
+Where costs are measured, the planner (costs and calibration) is remembered across calls on the
+model (``tier_memory.draft_planner``), so a short call does not start uncalibrated.
 """
 
 from __future__ import annotations
