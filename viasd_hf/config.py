@@ -21,6 +21,7 @@ CONFIG_FILENAME = "viasd_config.json"
 MODES = ("tiered", "lossless")
 CONFIDENCE_SIGNALS = ("ratio", "probability")
 TIER_SWITCHING = ("auto", "measured", "fixed")
+ATTENTION_KERNELS = ("auto", "measured", "model")
 VOCABULARY_TIERS = ("drafter", "slim")
 
 
@@ -51,6 +52,12 @@ class ViaSDConfig(HubMixin):
     output (lossless greedy), ``"fixed"`` elsewhere. Draft lengths are planned from costs in every
     setting (``draft_planner``): measured costs under ``"measured"``, weight sizes otherwise.
 
+    ``attention``: which kernel runs the short-query attention of drafting and verifying passes
+    (``viasd_hf.attention``). ``"measured"``: SDPA or the model's eager attention, whichever is
+    measured faster on this machine (on CPU, SDPA is slow for a few query rows over a long cache);
+    they round differently, so a sampling call's draws can then depend on timing. ``"model"``: the
+    model's own kernel. ``"auto"``: ``"measured"`` where ``tier_switching`` measures, else ``"model"``.
+
     ``vocabulary``: a frequency-ranked draft vocabulary (``viasd_hf.vocabulary``) over which the tiers
     named in ``vocabulary_tiers`` (``"drafter"``, ``"slim"``) compute only those rows of the LM head.
     ``"auto"`` uses the pair's vocabulary when one is published or shipped beside its routing mask and
@@ -77,6 +84,7 @@ class ViaSDConfig(HubMixin):
     tier_switching: str = "auto"  # adaptive=True: "measured" (wall clock), "fixed" (reproducible) or "auto" (see above)
     max_slim_backlog: int = 16  # tokens committed on the slim tier's authority before the full model must catch up
     cascade_lenience: float | None = None  # α: the full model keeps a draft d when q(d) > (1 − α)·max q (lossy)
+    attention: str = "auto"  # short-query attention kernel: "measured", "model" or "auto" (see above)
     vocabulary: DraftVocabulary | str | None = "auto"  # see above: "auto", None, a DraftVocabulary, a path or repo id
     vocabulary_tiers: tuple[str, ...] = VOCABULARY_TIERS  # the tiers that decode over the vocabulary
 
@@ -112,6 +120,8 @@ class ViaSDConfig(HubMixin):
                 f"tier_switching={self.tier_switching!r} needs adaptive=True: with adaptive=False the slim tier runs "
                 "on every block"
             )
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
         if self.confidence not in CONFIDENCE_SIGNALS:
             raise ValueError(f"confidence must be one of {CONFIDENCE_SIGNALS}, got {self.confidence!r}")
         for name in ("tau_accept", "tau_escalate"):

@@ -25,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .accept import Draft
 from .adaptive import BlockCost, measures_wall_clock
+from .attention import fastest_attention
 from .config import ViaSDConfig
 from .draft_planner import DraftPlanner, MeasuredCosts, static_costs
 from .drafters import Drafter, HybridDrafter
@@ -86,6 +87,7 @@ class ViaSDDecoder:
         if config.adaptive and slim_mask is not None:
             self.controller = tier_choice(model, slim_mask, drafter_key, config, do_sample)
         self._first_switch = len(self.controller.switches) if self.controller is not None else 0
+        self.steers_attention = steers_attention(config, do_sample)
         self.planner_key = planner_key(drafter_key, slim_mask, config, do_sample) if config.adaptive else None
         self.planner = None
         if config.adaptive:
@@ -101,13 +103,17 @@ class ViaSDDecoder:
         return DraftPlanner(costs, longest=max(3 * config.num_draft_tokens, LONGEST_TWO_TIER_DRAFT))
 
     def run(self, state: DecodingState) -> DecodingState:
-        """Decode from ``state`` (the prompt, an empty cache) until a stopping criterion or the length limit."""
+        """Decode from ``state`` (the prompt, an empty cache) until a stopping criterion or the length limit.
+
+        Where timings may steer the output, short-query attention runs the kernel measured fastest
+        (``attention.fastest_attention``): drafting and verifying passes are nearly all short queries."""
         started = time.perf_counter()
         if self.streamer is not None:
             self.streamer.put(state.ids.cpu())
-        self.prefill(state)
-        while not self.finished:
-            self.step(state)
+        with fastest_attention(self.steers_attention):
+            self.prefill(state)
+            while not self.finished:
+                self.step(state)
         if self.streamer is not None:
             self.streamer.end()
         if self.controller is not None:
@@ -212,6 +218,13 @@ class ViaSDDecoder:
         every new token's processed scores when ``output_scores`` keeps them, else ``None``."""
         scores = tuple(state.scores) if self.keep_scores else None
         return state.length >= self.max_length or bool(self.stopping_criteria(state.ids, scores).any())
+
+
+def steers_attention(config: ViaSDConfig, do_sample: bool) -> bool:
+    """Whether short-query attention runs the kernel measured fastest (``ViaSDConfig.attention``)."""
+    if config.attention == "auto":
+        return measures_wall_clock(config.tier_switching, config.mode == "lossless", do_sample)
+    return config.attention == "measured"
 
 
 def drafter_identity(drafter: Drafter) -> tuple:

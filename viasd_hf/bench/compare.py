@@ -29,6 +29,9 @@ LEVERS = (
     ("cost model: draft planner + slim switch (lossless, hybrid)", "viasd_lossless_hybrid", "viasd_lossless_hybrid_nocost"),
     ("quantised models (--quantize), HF assisted", "hf_assisted", "hf_assisted_bf16"),
     ("quantised models + ours vs HF assisted bf16", "viasd_lossless", "hf_assisted_bf16"),
+    ("attention kernel measured per shape (lossless)", "viasd_lossless", "viasd_lossless_sdpa"),
+    ("attention kernel measured per shape, HF assisted", "hf_assisted_fastattn", "hf_assisted"),
+    ("ours vs HF assisted, both with the measured kernel", "viasd_lossless", "hf_assisted_fastattn"),
 )
 QUALITY_KEYS = ("rougeL", "bleu", "exact_match", "pass@1")
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers.generation import candidate_generator
 
+from ..attention import fastest_attention
 from ..config import ViaSDConfig
 from ..generation import enable_viasd
 from ..mask_set import MaskSet
@@ -30,6 +31,8 @@ METHODS = (
 )
 # HF assisted generation as users run it today, on the unquantised bf16 pair, next to methods on quantised models
 UNQUANTIZED_REFERENCE = "hf_assisted_bf16"
+# HF assisted generation with the attention kernel our decoders measure (viasd_hf.attention): what that lever gives HF
+STEERED_REFERENCE = "hf_assisted_fastattn"
 MASK_SET_METHODS = ("viasd_mask_set",)  # need a mask set, so they run only when asked for
 KNOWN_METHODS = METHODS + MASK_SET_METHODS
 HYBRID_SUFFIX = "_hybrid"  # the same method, drafting by prompt lookup where the context repeats itself
@@ -38,6 +41,7 @@ HYBRID_SUFFIX = "_hybrid"  # the same method, drafting by prompt lookup where th
 ABLATIONS = {
     "_fullvocab": "the whole vocabulary in the drafter and slim tier (vocabulary=None)",
     "_nocost": "no cost model: the fixed draft rule and the slim tier always on (adaptive=False)",
+    "_sdpa": "the model's own attention kernel in every pass, none measured faster (attention='model')",
 }
 OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set")
 
@@ -59,7 +63,7 @@ class MethodName:
             name = name.removesuffix(suffix)
         hybrid = name.endswith(HYBRID_SUFFIX) and name.removesuffix(HYBRID_SUFFIX) in OUR_METHODS
         base = name.removesuffix(HYBRID_SUFFIX) if hybrid else name
-        if base in (*KNOWN_METHODS, UNQUANTIZED_REFERENCE) and (base in OUR_METHODS or not ablations):
+        if base in (*KNOWN_METHODS, UNQUANTIZED_REFERENCE, STEERED_REFERENCE) and (base in OUR_METHODS or not ablations):
             return cls(base, hybrid, tuple(ablations))
         return None
 
@@ -132,11 +136,12 @@ def _counting(target: nn.Module) -> Iterator[_Counts]:
             cls.get_candidates = original
 
 
-def _hf_method(target: nn.Module, drafts: bool, **extra: Any) -> Method:
-    """Plain ``generate`` (greedy / sampling) or one of HF's speculative modes, counted from outside."""
+def _hf_method(target: nn.Module, drafts: bool, steered: bool = False, **extra: Any) -> Method:
+    """Plain ``generate`` (greedy / sampling) or one of HF's speculative modes, counted from outside; ``steered``: with
+    short-query attention on the kernel measured fastest, as our decoders run it."""
 
     def run(ids: torch.Tensor, common: dict[str, Any]) -> Outcome:
-        with _counting(target) as counts:
+        with _counting(target) as counts, fastest_attention(steered):
             started = time.perf_counter()
             out = target.generate(ids, **common, **extra)
             seconds = time.perf_counter() - started
@@ -191,7 +196,8 @@ class MethodTable:
         unknown = [name for name in names if not is_method(name)]
         if unknown:
             raise ValueError(f"unknown bench methods {unknown}; choose from {', '.join(KNOWN_METHODS)}, "
-                             f"{UNQUANTIZED_REFERENCE}, with {HYBRID_SUFFIX} and {', '.join(ABLATIONS)} on ours")
+                             f"{UNQUANTIZED_REFERENCE}, {STEERED_REFERENCE}, with {HYBRID_SUFFIX} and "
+                             f"{', '.join(ABLATIONS)} on ours")
         if UNQUANTIZED_REFERENCE in names and self.unquantized is None:
             raise ValueError(f"{UNQUANTIZED_REFERENCE} needs the unquantised pair (MethodTable.unquantized)")
         if names[0] != "greedy":
@@ -208,13 +214,15 @@ class MethodTable:
 
     def _method(self, name: str) -> Method:
         method = MethodName.parse(name)
-        if method.base in ("greedy", "hf_assisted", "hf_prompt_lookup", UNQUANTIZED_REFERENCE):
+        if method.base in ("greedy", "hf_assisted", "hf_prompt_lookup", UNQUANTIZED_REFERENCE, STEERED_REFERENCE):
             return self._hf_baseline(name)
         config, drafter = self._viasd_setup(method.base)
         if "_fullvocab" in method.ablations:
             config = replace(config, vocabulary=None)
         if "_nocost" in method.ablations:
             config = replace(config, adaptive=False, tier_switching="auto")  # "measured" switching needs the cost model
+        if "_sdpa" in method.ablations:
+            config = replace(config, attention="model")
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
         return _viasd_method(self.target, config, drafter, **extra)
 
@@ -224,6 +232,8 @@ class MethodTable:
             return _hf_method(target, drafts=False)
         if name == "hf_assisted":
             return _hf_method(target, drafts=True, assistant_model=drafter)
+        if name == STEERED_REFERENCE:
+            return _hf_method(target, drafts=True, steered=True, assistant_model=drafter)
         if name == UNQUANTIZED_REFERENCE:
             reference_target, reference_drafter = self.unquantized
             return _hf_method(reference_target, drafts=True, assistant_model=reference_drafter)

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from .. import __version__
+from ..attention import Bucket, kernel_choices
 
 QUALITY_COLUMNS = (("rougeL", "ROUGE-L"), ("bleu", "BLEU"), ("chrf", "chrF"), ("exact_match", "EM"), ("pass@1", "pass@1"))
 
@@ -97,6 +98,11 @@ def time_markdown(summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _bucket_order(item: tuple[Bucket, str]) -> tuple:
+    bucket = item[0]
+    return bucket.attention.__name__, str(bucket.dtype), bucket.query_rows, bucket.kv_length
+
+
 def environment(bandwidth_gb_s: float) -> dict[str, Any]:
     """Versions, threads and hardware: a ratio means little without the machine it was measured on."""
     cpu = platform.processor() or platform.machine()
@@ -115,6 +121,11 @@ def environment(bandwidth_gb_s: float) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine_bandwidth_gb_s": bandwidth_gb_s,
+        "attention_kernels": {  # what the measured kernel choice (viasd_hf.attention) settled on in this run
+            f"{bucket.attention.__name__} {str(bucket.dtype).removeprefix('torch.')} rows<={bucket.query_rows} "
+            f"cache<={bucket.kv_length}": choice
+            for bucket, choice in sorted(kernel_choices().items(), key=_bucket_order)
+        },
     }
 
 

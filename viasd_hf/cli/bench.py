@@ -17,6 +17,7 @@ from ..bench.methods import (
     HYBRID_SUFFIX,
     KNOWN_METHODS,
     METHODS,
+    STEERED_REFERENCE,
     UNQUANTIZED_REFERENCE,
     MethodName,
     MethodSettings,
@@ -46,6 +47,7 @@ from .args import (
 # base decoders (MethodName.base) that draft with the drafter model / need a routing mask for the pair
 DRAFTER_METHODS = frozenset({
     "hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set", UNQUANTIZED_REFERENCE,
+    STEERED_REFERENCE,
 })
 MASK_METHODS = frozenset({"viasd", "viasd_lossless"})
 
@@ -64,7 +66,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="zoo name, Hub id or local folder")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct", help="assistant model sharing the tokenizer")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(KNOWN_METHODS)}; ours also with "
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(KNOWN_METHODS)}, "
+                        f"{STEERED_REFERENCE} (HF assisted with our measured attention kernel); ours also with "
                         f"{HYBRID_SUFFIX} and/or the ablations {', '.join(ABLATIONS)} appended")
     parser.add_argument("--dataset", default="spec_bench", choices=DATASETS)
     parser.add_argument("--prompts", help="JSONL with 'prompt', optional 'reference' and 'task' (instead of --dataset)")
@@ -167,7 +170,7 @@ def _method_names(text: str) -> list[str]:
     unknown = [name for name in names if not is_method(name)]
     if unknown:
         raise UsageError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; "
-                         f"choose from {', '.join(KNOWN_METHODS)}, {UNQUANTIZED_REFERENCE}, "
+                         f"choose from {', '.join(KNOWN_METHODS)}, {UNQUANTIZED_REFERENCE}, {STEERED_REFERENCE}, "
                          f"with {HYBRID_SUFFIX} and {', '.join(ABLATIONS)} on ours")
     if names[0] != "greedy":
         raise UsageError("--methods: the first method must be greedy: every speed-up and agreement is measured against it")

@@ -10,7 +10,7 @@ costs ``k·d + a + b·(k + 1)``. Confidences after the first mismatch are the te
 approximation every rule shares. Throughput is tokens per one-token target pass.
 
     python bench/studies/draft_stop_rule/study.py collect traces.json
-    python bench/studies/draft_stop_rule/study.py replay traces.json
+    python bench/studies/draft_stop_rule/study.py replay traces.json [--tokens 24]
     python bench/studies/draft_stop_rule/study.py rows    # the verify pass's seconds by tokens fed
 """
 
@@ -199,8 +199,8 @@ def leading_matches(match: list[bool], start: int, most: int) -> int:
 
 def replay_trace(match: list[bool], confidence: list[float], costs: Costs, rule_type=None, fixed: int | None = None,
                  oracle: bool = False) -> tuple[int, float, int]:
-    """Tokens committed, cost and blocks of one trace under a new rule (a generate call plans afresh), a fixed
-    draft length, or the oracle (drafts exactly the tokens the target will keep)."""
+    """Tokens committed, cost and blocks of one trace under the rule ``rule_type(costs)`` makes (a new one: a generate
+    call that plans afresh), a fixed draft length, or the oracle (drafts exactly the tokens the target will keep)."""
     rule = rule_type(costs) if rule_type is not None else None
     position, tokens, cost, blocks = 0, 0, 0.0, 0
     while position < len(match):
@@ -222,7 +222,8 @@ def replay_trace(match: list[bool], confidence: list[float], costs: Costs, rule_
     return tokens, cost, blocks
 
 
-def replay(path: str) -> None:
+def replay(path: str, tokens: int | None = None) -> None:
+    """Every rule on every trace, or on each trace's first ``tokens`` tokens (a short generation)."""
     with open(path) as file:
         data = json.load(file)
     measured = data["costs"]
@@ -231,19 +232,22 @@ def replay(path: str) -> None:
         costs = Costs(d=measured[f"drafter_{scheme}"] / measured["target_1"],
                       a=(measured["target_1"] - per_token) / measured["target_1"], b=per_token / measured["target_1"])
         print(f"\n{scheme} drafter: d = {costs.d:.3f}, a = {costs.a:.3f}, b = {costs.b:.4f} (one-token target pass = 1)")
-        print("| dataset | " + " | ".join(RULES) + " | best fixed length | oracle |")
-        print("|---" * (len(RULES) + 3) + "|")
+        print("| dataset | " + " | ".join(RULES) + " | shipped, remembered across prompts | best fixed length | oracle |")
+        print("|---" * (len(RULES) + 4) + "|")
         for dataset, _ in DATASETS:
             traces = [trace["drafters"][scheme] for trace in data["traces"] if trace["dataset"] == dataset]
 
             def total(**how) -> tuple[float, float]:
-                runs = [replay_trace(t["match"], t["confidence"], costs, **how) for t in traces]
+                runs = [replay_trace(t["match"][:tokens], t["confidence"][:tokens], costs, **how) for t in traces]
                 return sum(r[0] for r in runs) / sum(r[1] for r in runs), sum(r[0] for r in runs) / sum(r[2] for r in runs)
 
             cells = []
             for rule_type in RULES.values():
                 throughput, per_block = total(rule_type=rule_type)
                 cells.append(f"{throughput:.3f} ({per_block:.1f}/block)")
+            shared = Shipped(costs)  # one planner for every prompt, as tier_memory keeps it between calls
+            throughput, per_block = total(rule_type=lambda _: shared)
+            cells.append(f"{throughput:.3f} ({per_block:.1f}/block)")
             fixed = {length: total(fixed=length)[0] for length in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)}
             best = max(fixed, key=fixed.get)
             cells += [f"{fixed[best]:.3f} (k = {best})", f"{total(oracle=True)[0]:.3f}"]
@@ -254,5 +258,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["collect", "replay", "rows"])
     parser.add_argument("traces", nargs="?", default="traces.json")
+    parser.add_argument("--tokens", type=int, help="replay: only each trace's first TOKENS tokens")
     arguments = parser.parse_args()
-    {"collect": lambda: collect(arguments.traces), "replay": lambda: replay(arguments.traces), "rows": rows}[arguments.action]()
+    {"collect": lambda: collect(arguments.traces), "replay": lambda: replay(arguments.traces, arguments.tokens),
+     "rows": rows}[arguments.action]()

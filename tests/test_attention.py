@@ -1,0 +1,128 @@
+"""Short-query attention steered to the kernel measured faster: the same attention, only inside the context."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from conftest import VOCAB, near_copy, tiny_causal_lm
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+from viasd_hf import attention
+from viasd_hf.attention import fastest_attention, forget_kernel_choices, kernel_choices
+from viasd_hf.cache import new_cache
+
+
+def prompt_ids() -> torch.Tensor:
+    return torch.randint(2, VOCAB, (1, 12), generator=torch.Generator().manual_seed(1234))
+
+
+@pytest.fixture
+def always(monkeypatch):
+    """Make the measurement choose the given kernel, so both paths are tested whatever this machine measures."""
+
+    def choose(name: str) -> None:
+        monkeypatch.setattr(attention, "_measure", lambda sdpa, eager: (name, {"sdpa": sdpa, "eager": eager}[name]()))
+        forget_kernel_choices()
+
+    yield choose
+    forget_kernel_choices()
+
+
+def cached_logits(model, rows: int) -> torch.Tensor:
+    """Logits of ``rows`` new tokens over a cache of the first 12: a verifying pass (causal inside the block)."""
+    ids = prompt_ids()
+    with torch.no_grad():
+        cache = new_cache(model.config)
+        model(ids[:, :-rows], cache=cache, use_cache=True)
+        return model(ids[:, -rows:], cache=cache, use_cache=True).logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_steered_attention_computes_what_sdpa_computes(kind, kernel, always):
+    model = tiny_causal_lm(kind, seed=0)
+    always(kernel)
+    plain = {rows: cached_logits(model, rows) for rows in (1, 5)}
+    with fastest_attention():
+        steered = {rows: cached_logits(model, rows) for rows in (1, 5)}
+    for rows in plain:
+        torch.testing.assert_close(steered[rows], plain[rows], rtol=1e-5, atol=1e-5)
+    assert set(kernel_choices().values()) == {kernel}
+    assert {1, 8} <= {bucket.query_rows for bucket in kernel_choices()}
+
+
+def test_the_context_leaves_transformers_as_it_was_and_nests():
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    with fastest_attention():
+        with fastest_attention():
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward, "the outer call still steers"
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    with fastest_attention(enabled=False):
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
+def test_another_thread_runs_sdpa_while_a_call_steers(always):
+    """Steering belongs to the call that asked: plain generate in another thread measures and steers nothing."""
+    model = tiny_causal_lm("llama", seed=0)
+    always("eager")
+    expected = cached_logits(model, 1)
+    seen = {}
+    with fastest_attention():
+        worker = threading.Thread(target=lambda: seen.update(logits=cached_logits(model, 1)))
+        worker.start()
+        worker.join()
+    assert not kernel_choices()
+    torch.testing.assert_close(seen["logits"], expected, rtol=0, atol=0)
+
+
+def test_prefill_and_maskless_blocks_stay_on_sdpa(always):
+    """Long queries are SDPA's ground, and a block without a mask is causal only through SDPA's is_causal."""
+    model = tiny_causal_lm("llama", seed=0)
+    always("eager")
+    with fastest_attention(), torch.no_grad():
+        model(prompt_ids(), use_cache=False)
+    assert not kernel_choices()
+    with fastest_attention(), torch.no_grad():
+        model(prompt_ids()[:, :1], use_cache=False)
+    assert {bucket.query_rows for bucket in kernel_choices()} == {1}
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_lossless_greedy_with_steered_attention_is_token_identical_to_generate(kernel, always):
+    target = enable_viasd(tiny_causal_lm("qwen2", seed=0))
+    drafter = near_copy(target)
+    always(kernel)
+    ids = prompt_ids()
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    config = ViaSDConfig(mode="lossless", routing_mask=RoutingMask.from_model(target, skip=[1]))
+    out = target.generate(ids, assistant_model=drafter, viasd_config=config, max_new_tokens=24,
+                          do_sample=False, pad_token_id=0)
+    assert torch.equal(out, expected)
+    assert set(kernel_choices().values()) == {kernel}
+
+
+def test_reproducible_calls_do_not_steer(always):
+    """Sampling (and tiered decoding) keeps the model's own kernel: a measured choice must not change their draws."""
+    target = enable_viasd(tiny_causal_lm("qwen2", seed=0))
+    always("eager")
+    torch.manual_seed(0)
+    config = ViaSDConfig(mode="lossless", routing_mask=RoutingMask.from_model(target, skip=[1]))
+    target.generate(prompt_ids(), assistant_model=near_copy(target), viasd_config=config,
+                    max_new_tokens=8, do_sample=True, pad_token_id=0)
+    assert not kernel_choices()
+
+
+def test_the_kernel_choice_is_a_validated_config_field_and_a_bench_lever():
+    from viasd_hf.bench.methods import STEERED_REFERENCE, MethodName
+
+    with pytest.raises(ValueError, match="attention must be one of"):
+        ViaSDConfig(attention="eager")
+    assert MethodName.parse("viasd_lossless_sdpa").ablations == ("_sdpa",)
+    assert MethodName.parse(STEERED_REFERENCE).base == STEERED_REFERENCE
+    assert MethodName.parse(STEERED_REFERENCE + "_sdpa") is None, "ablations are ours only"

@@ -1,0 +1,162 @@
+"""Short-query attention through whichever kernel is measured faster on this machine: SDPA or the model's eager one.
+
+PyTorch's CPU SDPA kernel is built for long query blocks. For the 1–30 query rows of a drafting or
+verifying pass over a long KV cache it can be far slower than the plain matmul–softmax–matmul of
+the model's own eager attention: one pass of the 4-bit Qwen2.5-Coder 0.5B drafter over 1,000 cached
+tokens took 52 ms with SDPA and 27 ms with eager attention (AMD EPYC, one thread), and drafting and
+verifying are nearly all such passes. Which kernel wins depends on the CPU, dtype and shapes, so it
+is measured, not assumed: the first call of each shape bucket (``Bucket``) runs both kernels on its
+real inputs and the faster one is remembered for the process (``kernel_choices``), as
+``torch.backends.cudnn.benchmark`` does on GPUs.
+
+Only calls made inside ``fastest_attention()`` are steered, and only on CPU, on models configured
+for SDPA; everything else (plain ``generate`` in another thread included) runs SDPA exactly as
+before. The steering function replaces ``ALL_ATTENTION_FUNCTIONS["sdpa"]`` only while some call is
+inside the context (reference counted), so outside them transformers is as it was.
+
+Both kernels compute the same attention; they round differently (in bf16 visibly), so the choice
+is left to measurement only where timings may steer the output (``adaptive.measures_wall_clock``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+LONGEST_QUERY = 64  # query rows beyond this are a prefill: SDPA's own ground
+TIMED_RUNS = 3  # runs of each kernel, interleaved, when a bucket is first met; the fastest run counts
+
+_STEERED: ContextVar[bool] = ContextVar("viasd_fastest_attention", default=False)
+_LOCK = threading.Lock()
+_installed: dict[str, Any] = {"users": 0, "sdpa": None, "had_local": False}
+_choices: dict[Bucket, str] = {}
+
+
+class Bucket(NamedTuple):
+    """Calls timed as one: the same attention class, dtype and head shape, query rows and cache length rounded up
+    to powers of two."""
+
+    attention: type
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+    query_rows: int
+    kv_length: int
+
+    @classmethod
+    def of(cls, module: nn.Module, query: torch.Tensor, key: torch.Tensor) -> Bucket:
+        def rounded(n: int) -> int:
+            return 1 << max(n - 1, 0).bit_length()
+
+        return cls(type(module), query.dtype, query.shape[1], key.shape[1], query.shape[3],
+                   rounded(query.shape[2]), rounded(key.shape[2]))
+
+
+def kernel_choices() -> dict[Bucket, str]:
+    """What has been measured in this process: ``"eager"`` or ``"sdpa"`` per bucket."""
+    with _LOCK:
+        return dict(_choices)
+
+
+def forget_kernel_choices() -> None:
+    """Measure every bucket again on its next call (after the machine's load changed, or in tests)."""
+    with _LOCK:
+        _choices.clear()
+
+
+@contextmanager
+def fastest_attention(enabled: bool = True) -> Iterator[None]:
+    """Within this context (this thread or task only), short-query attention runs the kernel measured faster."""
+    if not enabled:
+        yield
+        return
+    _install()
+    token = _STEERED.set(True)
+    try:
+        yield
+    finally:
+        _STEERED.reset(token)
+        _uninstall()
+
+
+def _install() -> None:
+    with _LOCK:
+        if _installed["users"] == 0:
+            _installed["had_local"] = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
+            _installed["sdpa"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = _steered_sdpa
+        _installed["users"] += 1
+
+
+def _uninstall() -> None:
+    with _LOCK:
+        _installed["users"] -= 1
+        if _installed["users"] == 0:
+            if _installed["had_local"]:
+                ALL_ATTENTION_FUNCTIONS["sdpa"] = _installed["sdpa"]
+            else:
+                del ALL_ATTENTION_FUNCTIONS._local_mapping["sdpa"]
+
+
+def _steered_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """SDPA, unless this call is steered and eager attention is measured faster for its bucket."""
+    sdpa = _installed["sdpa"]
+    eager = _eager_of(module, query, attention_mask, args, kwargs) if _STEERED.get() else None
+    if eager is None:
+        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+    additive = _additive(attention_mask, query.dtype)
+    bucket = Bucket.of(module, query, key)
+    with _LOCK:
+        choice = _choices.get(bucket)
+    if choice is None:
+        choice, output = _measure(lambda: sdpa(module, query, key, value, attention_mask, **kwargs),
+                                  lambda: eager(module, query, key, value, additive, **kwargs))
+        with _LOCK:
+            _choices.setdefault(bucket, choice)
+        return output
+    if choice == "eager":
+        return eager(module, query, key, value, additive, **kwargs)
+    return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def _eager_of(module: nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None, args: tuple,
+              kwargs: dict) -> Callable | None:
+    """The model's own eager attention, where it computes what SDPA would: a short query on CPU, no dropout, a mask
+    given wherever causality needs one (SDPA infers it from ``is_causal`` without a mask; eager cannot), no
+    position bias (T5's, which SDPA folds in itself) and keyword arguments only."""
+    if args or query.device.type != "cpu" or module.training or query.shape[2] > LONGEST_QUERY:
+        return None
+    if (attention_mask is None and query.shape[2] > 1) or kwargs.get("position_bias") is not None:
+        return None
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """SDPA's boolean mask (True: attend) as eager attention's additive one (0, or the dtype's minimum)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=mask.device)
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), blocked)
+
+
+def _measure(sdpa: Callable[[], Any], eager: Callable[[], Any]) -> tuple[str, Any]:
+    """Both kernels, interleaved, ``TIMED_RUNS`` times each: the faster one's name and its output."""
+    best, outputs = {"sdpa": float("inf"), "eager": float("inf")}, {}
+    for _ in range(TIMED_RUNS):
+        for name, kernel in (("sdpa", sdpa), ("eager", eager)):
+            started = time.perf_counter()
+            outputs[name] = kernel()
+            best[name] = min(best[name], time.perf_counter() - started)
+    choice = min(best, key=best.get)
+    return choice, outputs[choice]
