@@ -1,0 +1,64 @@
+"""How long a drafting or verifying pass takes with SDPA, with the model's eager attention, and with the kernel
+``viasd_hf.attention`` measures faster, over KV caches of growing length (one torch thread, bf16 target, the
+drafter in the format ``--quantize drafter=auto`` chose).
+
+    python bench/studies/attention_kernel/study.py [--contexts 300,1000,2000] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+
+from viasd_hf.attention import fastest_attention, forget_kernel_choices
+from viasd_hf.cache import crop_to, new_cache
+from viasd_hf.models import load_pretrained
+
+TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+KERNELS = ("sdpa", "eager", "measured")
+
+
+def pass_ms(model: torch.nn.Module, context: int, rows: int, kernel: str, repeats: int) -> float:
+    """Median milliseconds of a pass over ``rows`` new tokens after ``context`` cached ones."""
+    model.set_attn_implementation("eager" if kernel == "eager" else "sdpa")
+    generator = torch.Generator().manual_seed(context + rows)
+    ids = torch.randint(100, 20000, (1, context + rows), generator=generator)
+    cache = new_cache(model.config)
+    seconds = []
+    with torch.no_grad(), (fastest_attention() if kernel == "measured" else nullcontext()):
+        model(ids[:, :context], cache=cache, use_cache=True)
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            model(ids[:, context:], cache=cache, use_cache=True)
+            seconds.append(time.perf_counter() - started)
+            crop_to(cache, context)
+    model.set_attn_implementation("sdpa")
+    return statistics.median(seconds[1:]) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="300,1000,2000")
+    parser.add_argument("--repeats", type=int, default=7)
+    arguments = parser.parse_args()
+    torch.set_num_threads(1)
+    models = {
+        "drafter (auto format)": (load_pretrained(DRAFTER, quantization="auto", draft_for=TARGET)[0], (1,)),
+        "target (bf16)": (load_pretrained(TARGET, dtype="bfloat16")[0], (1, 4, 8)),
+    }
+    print("| model | cached tokens | rows | " + " | ".join(f"{kernel} ms" for kernel in KERNELS) + " |")
+    print("|---" * (3 + len(KERNELS)) + "|")
+    for label, (model, rows_list) in models.items():
+        for context in map(int, arguments.contexts.split(",")):
+            for rows in rows_list:
+                forget_kernel_choices()
+                times = [pass_ms(model, context, rows, kernel, arguments.repeats) for kernel in KERNELS]
+                print(f"| {label} | {context} | {rows} | " + " | ".join(f"{ms:.1f}" for ms in times) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
