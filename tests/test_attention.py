@@ -62,9 +62,22 @@ def test_the_context_leaves_transformers_as_it_was_and_nests():
             assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward, "the outer call still steers"
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
-    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping, "no override left behind"
     with fastest_attention(enabled=False):
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
+def test_an_override_of_sdpa_made_before_the_context_is_restored_after_it():
+    def users_sdpa(*args, **kwargs):
+        return sdpa_attention_forward(*args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = users_sdpa
+    try:
+        with fastest_attention():
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not users_sdpa
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is users_sdpa
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
 
 
 def test_another_thread_runs_sdpa_while_a_call_steers(always):

@@ -37,7 +37,7 @@ TIMED_RUNS = 3  # runs of each kernel, interleaved, when a bucket is first met; 
 
 _STEERED: ContextVar[bool] = ContextVar("viasd_fastest_attention", default=False)
 _LOCK = threading.Lock()
-_installed: dict[str, Any] = {"users": 0, "sdpa": None, "had_local": False}
+_installed: dict[str, Any] = {"users": 0, "sdpa": None}
 _choices: dict[Bucket, str] = {}
 
 
@@ -92,7 +92,6 @@ def fastest_attention(enabled: bool = True) -> Iterator[None]:
 def _install() -> None:
     with _LOCK:
         if _installed["users"] == 0:
-            _installed["had_local"] = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
             _installed["sdpa"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
             ALL_ATTENTION_FUNCTIONS["sdpa"] = _steered_sdpa
         _installed["users"] += 1
@@ -102,10 +101,9 @@ def _uninstall() -> None:
     with _LOCK:
         _installed["users"] -= 1
         if _installed["users"] == 0:
-            if _installed["had_local"]:
+            del ALL_ATTENTION_FUNCTIONS["sdpa"]  # our override; beneath it, transformers' own or an earlier override
+            if ALL_ATTENTION_FUNCTIONS["sdpa"] is not _installed["sdpa"]:
                 ALL_ATTENTION_FUNCTIONS["sdpa"] = _installed["sdpa"]
-            else:
-                del ALL_ATTENTION_FUNCTIONS._local_mapping["sdpa"]
 
 
 def _steered_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
