@@ -139,3 +139,15 @@ def test_the_kernel_choice_is_a_validated_config_field_and_a_bench_lever():
     assert MethodName.parse("viasd_lossless_sdpa").ablations == ("_sdpa",)
     assert MethodName.parse(STEERED_REFERENCE).base == STEERED_REFERENCE
     assert MethodName.parse(STEERED_REFERENCE + "_sdpa") is None, "ablations are ours only"
+
+
+def test_a_boolean_mask_is_converted_once_per_pass_and_afresh_for_the_next():
+    causal = torch.ones(1, 1, 3, 7, dtype=torch.bool).tril(diagonal=4)
+    first = attention._additive(causal, torch.bfloat16)
+    assert attention._additive(causal, torch.bfloat16) is first  # the next layer of the same pass
+    assert torch.equal(first == 0, causal) and first.dtype == torch.bfloat16
+    next_pass = causal.clone()
+    next_pass[..., 0] = False
+    converted = attention._additive(next_pass, torch.bfloat16)
+    assert converted is not first and torch.equal(converted == 0, next_pass)
+    assert attention._additive(next_pass, torch.float32).dtype == torch.float32

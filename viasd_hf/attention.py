@@ -39,6 +39,8 @@ _STEERED: ContextVar[bool] = ContextVar("viasd_fastest_attention", default=False
 _LOCK = threading.Lock()
 _installed: dict[str, Any] = {"users": 0, "sdpa": None}
 _choices: dict[Bucket, str] = {}
+_LAST_ADDITIVE: ContextVar[tuple[torch.Tensor, torch.dtype, torch.Tensor] | None] = ContextVar(
+    "viasd_last_additive_mask", default=None)  # every layer of a pass gets the same boolean mask: convert it once
 
 
 class Bucket(NamedTuple):
@@ -141,11 +143,17 @@ def _eager_of(module: nn.Module, query: torch.Tensor, attention_mask: torch.Tens
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """SDPA's boolean mask (True: attend) as eager attention's additive one (0, or the dtype's minimum)."""
+    """SDPA's boolean mask (True: attend) as eager attention's additive one (0, or the dtype's minimum), converted
+    once per pass: the layers of a pass share one mask object."""
     if mask is None or mask.dtype != torch.bool:
         return mask
+    last = _LAST_ADDITIVE.get()
+    if last is not None and last[0] is mask and last[1] == dtype:
+        return last[2]
     blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=mask.device)
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), blocked)
+    additive = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), blocked)
+    _LAST_ADDITIVE.set((mask, dtype, additive))
+    return additive
 
 
 def _measure(sdpa: Callable[[], Any], eager: Callable[[], Any]) -> tuple[str, Any]:

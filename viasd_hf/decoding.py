@@ -28,7 +28,7 @@ from .adaptive import BlockCost, measures_wall_clock
 from .attention import fastest_attention
 from .config import ViaSDConfig
 from .draft_planner import DraftPlanner, MeasuredCosts, static_costs
-from .drafters import Drafter, HybridDrafter
+from .drafters import Drafter, model_drafter_of
 from .mask_chooser import MaskChoice
 from .mask_set import MaskSet
 from .masks import RoutingMask
@@ -230,7 +230,7 @@ def steers_attention(config: ViaSDConfig, do_sample: bool) -> bool:
 def drafter_identity(drafter: Drafter) -> tuple:
     """What tells one drafter's measurements from another's: its kind, its model, the layers a self-drafter skips
     and its draft vocabulary."""
-    model_drafter = drafter.model_drafter if isinstance(drafter, HybridDrafter) else drafter
+    model_drafter = model_drafter_of(drafter)
     head, mask = getattr(model_drafter, "head", None), getattr(model_drafter, "mask", None)
     return (drafter.name, id(getattr(model_drafter, "model", None)), tuple(mask.kept_layers) if mask is not None else None,
             head.key if head is not None else None)

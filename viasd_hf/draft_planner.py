@@ -43,7 +43,7 @@ from torch import nn
 
 from .accept import Draft
 from .architectures import decoder_layers
-from .drafters import AssistantDrafter, Drafter, HybridDrafter, SelfDrafter
+from .drafters import AssistantDrafter, Drafter, SelfDrafter, model_drafter_of
 from .masks import RoutingMask
 
 PER_TOKEN_SHARE = 0.03  # b / a before it is measured: a 6-token pass costs ~1.15x a 1-token pass on CPU
@@ -140,7 +140,7 @@ class StaticCosts:
 
 def static_costs(target: nn.Module, drafter: Drafter) -> StaticCosts:
     """``StaticCosts`` of whichever model drafts (none for prompt lookup: copying costs nothing)."""
-    model_drafter = drafter.model_drafter if isinstance(drafter, HybridDrafter) else drafter
+    model_drafter = model_drafter_of(drafter)
     if isinstance(model_drafter, SelfDrafter):
         return StaticCosts.for_drafter(target, None, model_drafter.mask)
     if isinstance(model_drafter, AssistantDrafter):

@@ -301,3 +301,8 @@ class HybridDrafter:
 
     def prefill(self, ids: torch.Tensor) -> None:
         self.model_drafter.prefill(ids)
+
+
+def model_drafter_of(drafter: Drafter) -> Drafter:
+    """The drafter that runs a model: a hybrid's model drafter, else the drafter itself."""
+    return drafter.model_drafter if isinstance(drafter, HybridDrafter) else drafter
