@@ -65,6 +65,13 @@ class ViaSDConfig(HubMixin):
     Hub repo id. The full model always uses its whole head, so lossless mode is unchanged; the drafter's
     proposals are its softmax over the vocabulary (sampling stays exact), and the slim tier escalates a
     draft outside it.
+
+    ``drafter_context``: an assistant model drafts from at most this many tokens of the prompt: its first
+    few (the attention sinks, ``drafters.ATTENTION_SINK_TOKENS``) and the latest ones. Its prefill costs
+    what its size says (a third of the target's for Qwen2.5 0.5B drafting for 1.5B) and is paid before
+    the first token, so on long prompts with short answers (RAG) it is a large share of the call. Drafts from less context are accepted less often;
+    verification is unchanged, so lossless output is too. ``None``: the whole prompt, as HF assisted
+    generation.
     """
 
     hub_filename = CONFIG_FILENAME
@@ -87,6 +94,7 @@ class ViaSDConfig(HubMixin):
     attention: str = "auto"  # short-query attention kernel: "measured", "model" or "auto" (see above)
     vocabulary: DraftVocabulary | str | None = "auto"  # see above: "auto", None, a DraftVocabulary, a path or repo id
     vocabulary_tiers: tuple[str, ...] = VOCABULARY_TIERS  # the tiers that decode over the vocabulary
+    drafter_context: int | None = None  # see above: the most prompt tokens an assistant drafter reads; None: all
 
     def __post_init__(self) -> None:
         if isinstance(self.routing_mask, dict):
@@ -140,6 +148,8 @@ class ViaSDConfig(HubMixin):
         unknown_tiers = [tier for tier in self.vocabulary_tiers if tier not in VOCABULARY_TIERS]
         if unknown_tiers:
             raise ValueError(f"vocabulary_tiers may name {VOCABULARY_TIERS}, got {list(self.vocabulary_tiers)}")
+        if self.drafter_context is not None and self.drafter_context < 1:
+            raise ValueError(f"drafter_context must be >= 1 (tokens) or None (the whole prompt), got {self.drafter_context}")
         if self.max_slim_backlog <= self.num_draft_tokens:
             raise ValueError(
                 f"max_slim_backlog ({self.max_slim_backlog}) must exceed num_draft_tokens ({self.num_draft_tokens}): "
@@ -150,6 +160,8 @@ class ViaSDConfig(HubMixin):
         for name in ("num_draft_tokens", "max_slim_backlog"):
             if not is_int(getattr(self, name)):
                 raise _wrong_type(name, "an int", getattr(self, name))
+        if self.drafter_context is not None and not is_int(self.drafter_context):
+            raise _wrong_type("drafter_context", "an int or None", self.drafter_context)
         for name in ("use_slim", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise _wrong_type(name, "True or False", getattr(self, name))

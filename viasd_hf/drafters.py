@@ -32,6 +32,8 @@ from .tiers import forbidden
 from .vocabulary.head import SubsetHead
 
 
+ATTENTION_SINK_TOKENS = 4  # prompt tokens a windowed drafter always keeps (Xiao et al., "Efficient Streaming LMs")
+
 KeepDrafting = Callable[[list[float]], bool]  # the confidences of the tokens drafted so far -> draft another?
 
 
@@ -125,7 +127,12 @@ class _ModelDrafter:
 
 
 class AssistantDrafter(_ModelDrafter):
-    """A separate (smaller) model with the target's tokenizer and a KV cache of its own."""
+    """A separate (smaller) model with the target's tokenizer and a KV cache of its own.
+
+    With ``context``, it reads at most that many prompt tokens: the first ``ATTENTION_SINK_TOKENS``
+    (StreamingLLM's attention sinks, which keep attention well behaved) and the latest ones; the
+    tokens between are never fed (``skipped``), and positions run on without them.
+    """
 
     name = "assistant"
 
@@ -137,15 +144,34 @@ class AssistantDrafter(_ModelDrafter):
         do_sample: bool = False,
         inputs: ModelInputs | None = None,
         head: SubsetHead | None = None,
+        context: int | None = None,
     ) -> None:
         super().__init__(logits_processor, confidence_threshold, do_sample, head)
         self.model = model
         self.inputs = inputs or ModelInputs()
+        self.context = context
         self.cache = new_cache(model.config)
         self.processed: list[int] = []  # the tokens in ``cache``, drafts included until ``commit``
+        self.skipped = slice(0, 0)  # the prompt positions never fed
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        prompt = ids.shape[-1]
+        if self.context is not None and not self.processed and prompt > self.context and self._unpadded(ids):
+            sinks = min(ATTENTION_SINK_TOKENS, self.context - 1)  # the prompt's last token is always read
+            self.skipped = slice(sinks, prompt - (self.context - sinks))
+            self.inputs = ModelInputs()  # no padding: positions simply count the tokens fed
+        super().prefill(ids)
+
+    def _unpadded(self, ids: torch.Tensor) -> bool:
+        mask = self.inputs.prompt_attention_mask
+        return not self.inputs.encoder_kwargs and (mask is None or bool(mask[:, : ids.shape[-1]].all()))
+
+    def _seen(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` without the skipped prompt positions: what this drafter's cache holds, in order."""
+        return torch.cat([ids[:, : self.skipped.start], ids[:, self.skipped.stop :]], dim=-1)
 
     def _pending(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids[:, len(self.processed) :]
+        return self._seen(ids)[:, len(self.processed) :]
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = self.inputs.logits(self.model, tokens, len(self.processed), self.cache, keep=1, head=self.head)
@@ -153,7 +179,7 @@ class AssistantDrafter(_ModelDrafter):
         return logits
 
     def commit(self, ids: torch.Tensor) -> None:
-        committed = ids[0].tolist()
+        committed = self._seen(ids)[0].tolist()
         keep = 0
         for mine, theirs in zip(self.processed, committed):
             if mine != theirs:

@@ -141,7 +141,7 @@ def build_drafter(
     check_same_vocabulary(model, assistant_model)
     assistant = AssistantDrafter(
         assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
-        inputs=target_cache.inputs, head=head,
+        inputs=target_cache.inputs, head=head, context=config.drafter_context,
     )
     if lookup is None:
         return assistant

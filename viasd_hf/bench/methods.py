@@ -42,6 +42,7 @@ ABLATIONS = {
     "_fullvocab": "the whole vocabulary in the drafter and slim tier (vocabulary=None)",
     "_nocost": "no cost model: the fixed draft rule and the slim tier always on (adaptive=False)",
     "_sdpa": "the model's own attention kernel in every pass, none measured faster (attention='model')",
+    "_fullprompt": "the drafter reads the whole prompt (drafter_context=None)",
 }
 OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set")
 
@@ -99,9 +100,11 @@ class MethodSettings:
     draft_confidence_threshold: float | None = 0.4
     cascade_lenience: float = 0.3  # accepts what the full model rates within 1 − α = 0.7 of its favourite: VIA-SD's τ_acc
     prompt_lookup_tokens: int = 10
+    drafter_context: int | None = ViaSDConfig.drafter_context
 
     def drafting(self) -> dict[str, Any]:
-        return {"num_draft_tokens": self.num_draft_tokens, "draft_confidence_threshold": self.draft_confidence_threshold}
+        return {"num_draft_tokens": self.num_draft_tokens, "draft_confidence_threshold": self.draft_confidence_threshold,
+                "drafter_context": self.drafter_context}
 
 
 Method = Callable[[torch.Tensor, dict[str, Any]], Outcome]
@@ -223,6 +226,8 @@ class MethodTable:
             config = replace(config, adaptive=False, tier_switching="auto")  # "measured" switching needs the cost model
         if "_sdpa" in method.ablations:
             config = replace(config, attention="model")
+        if "_fullprompt" in method.ablations:
+            config = replace(config, drafter_context=None)
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
         return _viasd_method(self.target, config, drafter, **extra)
 

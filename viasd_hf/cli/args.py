@@ -70,6 +70,11 @@ non_negative_float = _number(float, "non_negative_float", lambda v: 0 <= v < flo
 probability = _number(float, "probability", lambda v: 0 <= v <= 1, "a number from 0 to 1")
 
 
+def tokens_or_none(text: str) -> int | None:
+    """A token count >= 1, or ``none`` for no limit."""
+    return None if text.strip().lower() == "none" else positive_int(text)
+
+
 def _listed(convert: Callable[[str], float], wanted: str) -> Callable[[str], list]:
     def parse(text: str) -> list:
         parts = [part.strip() for part in text.split(",")]

@@ -26,6 +26,7 @@ from ..bench.methods import (
 )
 from ..bench.report import environment, markdown, mask_markdown, per_task_markdown, plots, time_markdown, verdict_lines
 from ..bench.tasks import DATASETS, Example, load_examples, load_jsonl
+from ..config import ViaSDConfig
 from ..mask_set import MaskSet
 from ..masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
 from ..quantization import QuantizationChoice, QuantizationUnavailableError, resolve_quantization
@@ -42,6 +43,7 @@ from .args import (
     positive_int,
     probability,
     quantize_spec,
+    tokens_or_none,
 )
 
 # base decoders (MethodName.base) that draft with the drafter model / need a routing mask for the pair
@@ -92,6 +94,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         help="stop drafting below this drafter confidence")
     parser.add_argument("--cascade-lenience", type=probability, default=0.3, help="α of the cascade baseline")
     parser.add_argument("--prompt-lookup-tokens", type=positive_int, default=10)
+    parser.add_argument("--drafter-context", type=tokens_or_none, default=ViaSDConfig.drafter_context, metavar="N|none",
+                        help="prompt tokens our decoders' assistant drafter reads (ViaSDConfig.drafter_context; "
+                             "default: %(default)s)")
     parser.add_argument("--json", help="write every figure, the environment and the command here")
     parser.add_argument("--plots", help="folder for speedup_vs_quality.png and tier_fractions.png")
     parser.set_defaults(handler=run_bench_command)
@@ -232,7 +237,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 known.validate_for(target)
         except RoutingMaskError as error:
             raise UsageError(f"{flag}: {first_line(error)}") from None
-    settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens)
+    settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens,
+                              args.drafter_context)
     methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set).build(names)
     runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature)
     weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0) for name in names}

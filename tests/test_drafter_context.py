@@ -1,0 +1,84 @@
+"""An assistant drafter that reads only part of a long prompt (``ViaSDConfig.drafter_context``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from conftest import VOCAB, near_copy, tiny_causal_lm
+from viasd_hf import RoutingMask, ViaSDConfig, viasd_generate
+from viasd_hf.drafters import ATTENTION_SINK_TOKENS, AssistantDrafter
+from viasd_hf.state import ModelInputs
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def prompt(seed: int, length: int) -> torch.Tensor:
+    return torch.randint(2, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_causal_lm("llama", seed=0, dtype=torch.float64)
+    return target, near_copy(target)
+
+
+def test_a_windowed_drafter_drafts_what_a_drafter_shown_only_its_tokens_drafts(pair):
+    _, model = pair
+    ids = prompt(0, 30)
+    windowed = AssistantDrafter(model, LogitsProcessorList(), None, context=10)
+    windowed.prefill(ids)
+    seen = torch.cat([ids[:, :ATTENTION_SINK_TOKENS], ids[:, -(10 - ATTENTION_SINK_TOKENS) :]], dim=-1)
+    assert windowed.cache.get_seq_length() == 9, "the sinks and the latest prompt tokens but the last, which drafts"
+    reference = AssistantDrafter(model, LogitsProcessorList(), None)
+    reference.prefill(seen)
+
+    for step in range(3):
+        draft = windowed.draft(ids, 4, None)
+        expected = reference.draft(seen, 4, None)
+        assert draft.tokens == expected.tokens
+        assert all(torch.allclose(p, q) for p, q in zip(draft.probs, expected.probs))
+        committed = torch.tensor([draft.tokens[:step + 1] + [7]])  # some kept, then a correction
+        ids, seen = torch.cat([ids, committed], dim=-1), torch.cat([seen, committed], dim=-1)
+        windowed.commit(ids)
+        reference.commit(seen)
+        assert windowed.processed == reference.processed
+
+
+@pytest.mark.parametrize("context", [1, 5, 12, 40])
+@pytest.mark.parametrize("lookup", [False, True])
+def test_lossless_greedy_with_a_windowed_drafter_equals_generate(pair, context, lookup):
+    target, drafter = pair
+    ids = prompt(context, 24) if not lookup else prompt(context, 8).repeat(1, 3)
+    expected = target.generate(ids, max_new_tokens=24, **GREEDY)
+    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", drafter_context=context)
+    extra = {"prompt_lookup_num_tokens": 3} if lookup else {}
+    out = target.generate(ids, custom_generate=viasd_generate, viasd_config=config, assistant_model=drafter,
+                          max_new_tokens=24, viasd_check_invariants=True, **GREEDY, **extra)
+    assert torch.equal(out, expected)
+
+
+def test_a_left_padded_prompt_is_read_whole(pair):
+    _, model = pair
+    ids = prompt(1, 20)
+    padding = torch.ones_like(ids)
+    padding[:, :3] = 0
+    drafter = AssistantDrafter(model, LogitsProcessorList(), None, inputs=ModelInputs(prompt_attention_mask=padding),
+                               context=5)
+    drafter.prefill(ids)
+    assert drafter.skipped == slice(0, 0) and drafter.cache.get_seq_length() == 19
+
+
+def test_the_drafter_context_is_a_validated_config_field_and_a_bench_lever():
+    from viasd_hf.bench.methods import MethodName, MethodSettings
+    from viasd_hf.cli.args import tokens_or_none
+
+    with pytest.raises(ValueError, match="drafter_context must be >= 1"):
+        ViaSDConfig(drafter_context=0)
+    with pytest.raises(TypeError, match="drafter_context must be an int or None"):
+        ViaSDConfig(drafter_context="256")
+    assert ViaSDConfig.from_dict(ViaSDConfig(drafter_context=64).to_dict()).drafter_context == 64
+    assert MethodName.parse("viasd_lossless_hybrid_fullprompt").ablations == ("_fullprompt",)
+    assert MethodSettings(drafter_context=32).drafting()["drafter_context"] == 32
+    assert tokens_or_none("none") is None and tokens_or_none("12") == 12
