@@ -161,7 +161,8 @@ def assert_stats_consistent(stats, new_tokens: int, mode: str, stopped_inside_bl
     assert stats.prefill_forwards in (0, 1)
     decode_full_forwards = stats.full_forwards - stats.prefill_forwards
     assert stats.full_tokens == decode_full_forwards
-    committed_or_discarded = stats.accepted_tokens + stats.slim_tokens + stats.full_tokens
+    committed_or_discarded = stats.accepted_tokens + stats.slim_tokens + stats.full_tokens + stats.runner_up_tokens
+    assert stats.runner_up_tokens <= stats.runner_up_blocks <= stats.blocks
     if stopped_inside_block:
         assert new_tokens <= committed_or_discarded
     else:

@@ -24,17 +24,20 @@ from typing import Protocol
 
 import torch
 
+from .branching import RunnerUp
 from .sampling import RandomStream, cascade_target, one_hot, rejection_step, sample
 
 
 @dataclass
 class Draft:
     """Proposed tokens, the processed distribution each was drawn from (``None`` when not drawn from a model),
-    and the drafter's forward passes that made them."""
+    the drafter's forward passes that made them, and the drafter's second choice worth verifying beside them
+    (``branching``; greedy model drafts only)."""
 
     tokens: list[int]
     probs: list[torch.Tensor | None]
     forwards: int = 0
+    runner_up: RunnerUp | None = None
 
     @property
     def confidences(self) -> list[float]:

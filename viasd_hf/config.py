@@ -72,6 +72,11 @@ class ViaSDConfig(HubMixin):
     the first token, so on long prompts with short answers (RAG) it is a large share of the call. Drafts from less context are accepted less often;
     verification is unchanged, so lossless output is too. ``None``: the whole prompt, as HF assisted
     generation.
+
+    ``runner_up``: in greedy decoding a block the full model verifies also carries the drafter's second
+    choice at the position where it is likeliest to be needed, as a leaf beside the draft in the same
+    pass (``viasd_hf.branching``); when the full model picks it, the block commits one token more.
+    Output is unchanged: every committed token is still the full model's choice.
     """
 
     hub_filename = CONFIG_FILENAME
@@ -95,6 +100,7 @@ class ViaSDConfig(HubMixin):
     vocabulary: DraftVocabulary | str | None = "auto"  # see above: "auto", None, a DraftVocabulary, a path or repo id
     vocabulary_tiers: tuple[str, ...] = VOCABULARY_TIERS  # the tiers that decode over the vocabulary
     drafter_context: int | None = None  # see above: the most prompt tokens an assistant drafter reads; None: all
+    runner_up: bool = True  # greedy: the full pass also verifies the drafter's second choice (see above)
 
     def __post_init__(self) -> None:
         if isinstance(self.routing_mask, dict):
@@ -162,7 +168,7 @@ class ViaSDConfig(HubMixin):
                 raise _wrong_type(name, "an int", getattr(self, name))
         if self.drafter_context is not None and not is_int(self.drafter_context):
             raise _wrong_type("drafter_context", "an int or None", self.drafter_context)
-        for name in ("use_slim", "adaptive"):
+        for name in ("use_slim", "adaptive", "runner_up"):
             if not isinstance(getattr(self, name), bool):
                 raise _wrong_type(name, "True or False", getattr(self, name))
         for name in ("tau_accept", "tau_escalate"):

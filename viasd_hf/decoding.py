@@ -26,6 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from .accept import Draft
 from .adaptive import BlockCost, measures_wall_clock
 from .attention import fastest_attention
+from .branching import can_branch
 from .config import ViaSDConfig
 from .draft_planner import DraftPlanner, MeasuredCosts, static_costs
 from .drafters import Drafter, model_drafter_of
@@ -88,6 +89,7 @@ class ViaSDDecoder:
             self.controller = tier_choice(model, slim_mask, drafter_key, config, do_sample)
         self._first_switch = len(self.controller.switches) if self.controller is not None else 0
         self.steers_attention = steers_attention(config, do_sample)
+        self.verifies_runner_up = config.runner_up and not do_sample  # and where the cache allows it (``run``)
         self.planner_key = planner_key(drafter_key, slim_mask, config, do_sample) if config.adaptive else None
         self.planner = None
         if config.adaptive:
@@ -110,6 +112,7 @@ class ViaSDDecoder:
         started = time.perf_counter()
         if self.streamer is not None:
             self.streamer.put(state.ids.cpu())
+        self.verifies_runner_up &= can_branch(self.model, state.target_cache.cache, state.target_cache.padded)
         with fastest_attention(self.steers_attention):
             self.prefill(state)
             while not self.finished:
@@ -148,6 +151,9 @@ class ViaSDDecoder:
         shadow = slim_runs and self.controller is not None and self.controller.probes_in_shadow()
         tiers = self.chooser.tiers(self.tiers) if self.chooser is not None else self.tiers
         policy = shadow_tiered if shadow else self.slim_policy if slim_runs else two_tier
+        if policy is not two_tier or not self.verifies_runner_up:
+            draft.runner_up = None  # a leaf rides only in a plain full pass (``branching``)
+        self.stats.runner_up_blocks += int(draft.runner_up is not None)
         block = policy(tiers, state, draft)
         if self.chooser is not None:
             self.chooser.observe(block)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from .accept import CascadeSet, Draft, GreedyTarget, Lenience, SampledTarget, Target, Verdict, accept_prefix
 from .config import ViaSDConfig
 from .sampling import RandomStream
@@ -67,6 +69,7 @@ class BlockResult:
     seconds: dict[str, float] = field(default_factory=lambda: {"slim": 0.0, "full": 0.0})
     check: SlimCheck | None = None  # a slim pass the full model followed on the same block
     slim_would_commit: int | None = None  # shadow_tiered: tokens the slim tier would have committed (0: escalated)
+    runner_up_taken: bool = False  # the full model chose the drafter's runner-up: one token more (``branching``)
 
 
 @dataclass
@@ -133,11 +136,23 @@ Policy = Callable[[Tiers, DecodingState, Draft], BlockResult]
 
 
 def two_tier(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
-    """Standard verification: keep the drafts the full model accepts, then add the full model's own token."""
-    view = tiers.full.score(state, draft.tokens)
+    """Standard verification: keep the drafts the full model accepts, then add the full model's own token.
+
+    With the drafter's runner-up verified beside the draft (``branching``): where the full model's own
+    token is that runner-up, the block goes on with it and the full model's token after it."""
+    view = tiers.full.score(state, draft.tokens, draft.runner_up)
     verdict = accept_prefix(draft, tiers.rules.full(view))
+    if takes_runner_up(draft, verdict):
+        state.target_cache.keep_leaf(state.length + verdict.kept, state.length + len(draft.tokens))
+        return _decided_on_leaf(draft, verdict, view, tiers.rules.full(view.leaf).bonus(0))
     state.target_cache.keep(state.length + verdict.kept)
     return _decided(draft, verdict, view, "full")
+
+
+def takes_runner_up(draft: Draft, verdict: Verdict) -> bool:
+    """Whether the full model rejected the draft exactly where the runner-up stands, in its favour."""
+    runner_up = draft.runner_up
+    return runner_up is not None and verdict.kept == runner_up.position and verdict.token == runner_up.token
 
 
 def tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
@@ -227,6 +242,16 @@ def _decided(draft: Draft, verdict: Verdict, view: TierLogits, tier: str) -> Blo
         passes={tier: 1, other: 0},
         seconds={tier: view.seconds, other: 0.0},
     )
+
+
+def _decided_on_leaf(draft: Draft, verdict: Verdict, view: TierLogits, bonus: int) -> BlockResult:
+    """The drafts kept before the runner-up, the runner-up (the full model's own choice there) and the full
+    model's token after it; row ``i`` of ``rows`` still chose token ``i``."""
+    block = _decided(draft, verdict, view, "full")
+    rows = TierLogits(torch.cat([view.logits[: verdict.kept + 1], view.leaf.logits]),
+                      torch.cat([view.scores[: verdict.kept + 1], view.leaf.scores]), view.seconds, view.fed)
+    return replace(block, tokens=block.tokens + [bonus], made_by=block.made_by[:-1] + ["drafter", "full"], rows=rows,
+                   runner_up_taken=True)
 
 
 def _after_slim_pass(

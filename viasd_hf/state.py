@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .branching import keep_leaf
 from .cache import crop_to, layer_lengths
 from .vocabulary.head import SubsetHead
 
@@ -44,21 +45,22 @@ class ModelInputs:
         return {"attention_mask": mask, "position_ids": positions[:, start:total]}
 
     def logits(
-        self, model: nn.Module, tokens: torch.Tensor, start: int, cache: Any, keep: int, head: SubsetHead | None = None
+        self, model: nn.Module, tokens: torch.Tensor, start: int, cache: Any, keep: int, head: SubsetHead | None = None,
+        layout: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits of the last ``keep`` of ``tokens`` (fed at position ``start``), one row per token.
 
         Decoder-only models run the LM head on those rows only: with a 150k vocabulary the head is
         a large share of a pass. With ``head`` (a draft vocabulary) only its rows of the LM head run.
+        ``layout``: an attention mask and positions of the pass's own (a token tree, ``branching``).
         """
+        positions = layout if layout is not None else self.position_kwargs(start, tokens.shape[1])
         if head is not None:
-            return head.logits(model, tokens, cache, keep, **self.position_kwargs(start, tokens.shape[1]))
+            return head.logits(model, tokens, cache, keep, **positions)
         if self.encoder_kwargs:
             output = model(decoder_input_ids=tokens, cache=cache, use_cache=True, **self.encoder_kwargs)
             return output.logits[0, -keep:]
-        output = model(
-            tokens, cache=cache, use_cache=True, logits_to_keep=keep, **self.position_kwargs(start, tokens.shape[1])
-        )
+        output = model(tokens, cache=cache, use_cache=True, logits_to_keep=keep, **positions)
         return output.logits[0]
 
 
@@ -76,11 +78,18 @@ class TargetCache:
         self.length = 0
 
     def run(
-        self, model: nn.Module, tokens: torch.Tensor, start: int, keep: int, head: SubsetHead | None = None
+        self, model: nn.Module, tokens: torch.Tensor, start: int, keep: int, head: SubsetHead | None = None,
+        layout: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits of the last ``keep`` of ``tokens`` fed at position ``start`` (``length`` or beyond, in a provisional
-        pass); over ``head``'s vocabulary only when given."""
-        return self.inputs.logits(model, tokens, start, self.cache, keep, head)
+        pass); over ``head``'s vocabulary only when given; ``layout``: the pass's own mask and positions."""
+        return self.inputs.logits(model, tokens, start, self.cache, keep, head, layout)
+
+    @property
+    def padded(self) -> bool:
+        """Whether the prompt is left-padded (its attention mask holds zeros)."""
+        mask = self.inputs.prompt_attention_mask
+        return mask is not None and not bool(mask.all())
 
     @contextmanager
     def provisional(self) -> Iterator[None]:
@@ -94,6 +103,11 @@ class TargetCache:
         """After a full pass: its first ``length`` tokens stay in the cache, the rest (rejected drafts) go."""
         crop_to(self.cache, length)
         self.length = length
+
+    def keep_leaf(self, length: int, leaf_index: int) -> None:
+        """After a full pass whose leaf (``branching``) was taken: its first ``length`` tokens, then the leaf."""
+        keep_leaf(self.cache, length, leaf_index)
+        self.length = length + 1
 
     def check(self) -> None:
         lengths = layer_lengths(self.cache)

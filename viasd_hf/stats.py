@@ -40,6 +40,8 @@ class ViaSDStats:
     escalated_tokens: int = 0
     escalated_blocks: int = 0
     catch_up_blocks: int = 0
+    runner_up_blocks: int = 0  # full passes that verified the drafter's runner-up beside the draft (``branching``)
+    runner_up_tokens: int = 0  # ... and committed it: one token more than the draft alone would have given
     slim_tokens: int = 0
     full_tokens: int = 0
     slim_committed_tokens: int = 0
@@ -71,6 +73,7 @@ class ViaSDStats:
         self.blocks += 1
         self.drafted_tokens += drafted
         self.catch_up_blocks += int(catch_up)
+        self.runner_up_tokens += int(block.runner_up_taken)
         for position in range(block.judged):
             self.record_position(position, position < block.kept)
         self.accepted_tokens += block.kept

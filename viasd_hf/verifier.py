@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import LogitsProcessorList
 
+from .branching import RunnerUp, leaf_inputs
 from .masks import RoutingMask
 from .routing import skipping
 from .state import DecodingState
@@ -37,7 +38,8 @@ class TierLogits:
     logits: torch.Tensor
     scores: torch.Tensor
     seconds: float = 0.0
-    fed: int = 0  # tokens the pass ran over: the unprocessed committed ones and the draft
+    fed: int = 0  # tokens the pass ran over: the unprocessed committed ones and the draft (and a leaf)
+    leaf: TierLogits | None = None  # the row after the drafter's runner-up, when the pass verified one
 
     @cached_property
     def unscaled(self) -> torch.Tensor:
@@ -79,8 +81,13 @@ class Verifier:
     def routed(self) -> bool:
         return self.skipped is not None
 
-    def score(self, state: DecodingState, draft: list[int]) -> TierLogits:
-        """Run over the unprocessed committed tokens and ``draft``; the LM head runs on the draft positions and one beyond."""
+    def score(self, state: DecodingState, draft: list[int], runner_up: RunnerUp | None = None) -> TierLogits:
+        """Run over the unprocessed committed tokens and ``draft``; the LM head runs on the draft positions and one beyond.
+
+        With ``runner_up`` (the full model only) the pass also scores that token as a leaf standing in for
+        ``draft[runner_up.position]`` (``branching``): its row is ``leaf``."""
+        if runner_up is not None and self.routed:
+            raise ValueError("only the full model verifies a runner-up: a routed pass's leaf row would not be its own")
         started = time.perf_counter()
         cache = state.target_cache
         feed = torch.cat([state.unprocessed, state.ids.new_tensor([draft])], dim=-1)
@@ -88,10 +95,20 @@ class Verifier:
         if self.routed:
             with cache.provisional(), skipping(self.model, self.skipped):
                 logits = cache.run(self.model, feed, cache.length, keep, self.head)
+        elif runner_up is not None:
+            leaf_at = state.unprocessed.shape[1] + runner_up.position
+            feed = torch.cat([feed, feed.new_tensor([[runner_up.token]])], dim=-1)
+            layout = leaf_inputs(self.model, cache.length, feed.shape[1], leaf_at, feed.device)
+            logits = cache.run(self.model, feed, cache.length, keep + 1, layout=layout)
         else:
             logits = cache.run(self.model, feed, cache.length, keep, self.head)
+        leaf = None
+        if runner_up is not None:
+            logits, leaf_logits = logits[:keep], logits[keep:].float()
+            branch = torch.cat([state.ids, state.ids.new_tensor([draft[: runner_up.position] + [runner_up.token]])], dim=-1)
+            leaf = TierLogits(leaf_logits, self.logits_processor(branch, leaf_logits))
         scores = self._processed(state.ids, draft, logits)
-        return TierLogits(logits.float(), scores, seconds=time.perf_counter() - started, fed=feed.shape[1])
+        return TierLogits(logits.float(), scores, seconds=time.perf_counter() - started, fed=feed.shape[1], leaf=leaf)
 
     def _processed(self, ids: torch.Tensor, draft: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Each position's scores as ``generate`` would process them after the committed ids and the drafts before it."""

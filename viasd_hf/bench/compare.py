@@ -32,6 +32,7 @@ LEVERS = (
     ("attention kernel measured per shape (lossless)", "viasd_lossless", "viasd_lossless_sdpa"),
     ("attention kernel measured per shape, HF assisted", "hf_assisted_fastattn", "hf_assisted"),
     ("drafter reads a window of a long prompt (lossless)", "viasd_lossless", "viasd_lossless_fullprompt"),
+    ("runner-up leaf beside greedy drafts (lossless)", "viasd_lossless", "viasd_lossless_norunnerup"),
     ("ours vs HF assisted, both with the measured kernel", "viasd_lossless", "hf_assisted_fastattn"),
 )
 QUALITY_KEYS = ("rougeL", "bleu", "exact_match", "pass@1")

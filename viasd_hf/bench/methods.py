@@ -43,6 +43,7 @@ ABLATIONS = {
     "_nocost": "no cost model: the fixed draft rule and the slim tier always on (adaptive=False)",
     "_sdpa": "the model's own attention kernel in every pass, none measured faster (attention='model')",
     "_fullprompt": "the drafter reads the whole prompt (drafter_context=None)",
+    "_norunnerup": "no runner-up leaf beside greedy drafts (runner_up=False)",
 }
 OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set")
 
@@ -228,6 +229,8 @@ class MethodTable:
             config = replace(config, attention="model")
         if "_fullprompt" in method.ablations:
             config = replace(config, drafter_context=None)
+        if "_norunnerup" in method.ablations:
+            config = replace(config, runner_up=False)
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
         return _viasd_method(self.target, config, drafter, **extra)
 
