@@ -82,3 +82,11 @@ def test_the_drafter_context_is_a_validated_config_field_and_a_bench_lever():
     assert MethodName.parse("viasd_lossless_hybrid_fullprompt").ablations == ("_fullprompt",)
     assert MethodSettings(drafter_context=32).drafting()["drafter_context"] == 32
     assert tokens_or_none("none") is None and tokens_or_none("12") == 12
+
+
+def test_a_windowed_drafter_keeps_measurements_of_its_own(pair):
+    from viasd_hf.decoding import drafter_identity
+
+    _, model = pair
+    whole, windowed = (AssistantDrafter(model, LogitsProcessorList(), None, context=c) for c in (None, 256))
+    assert drafter_identity(whole) != drafter_identity(windowed)

@@ -234,12 +234,12 @@ def steers_attention(config: ViaSDConfig, do_sample: bool) -> bool:
 
 
 def drafter_identity(drafter: Drafter) -> tuple:
-    """What tells one drafter's measurements from another's: its kind, its model, the layers a self-drafter skips
-    and its draft vocabulary."""
+    """What tells one drafter's measurements from another's: its kind, its model, the layers a self-drafter skips,
+    its draft vocabulary and how much of the prompt it reads."""
     model_drafter = model_drafter_of(drafter)
     head, mask = getattr(model_drafter, "head", None), getattr(model_drafter, "mask", None)
     return (drafter.name, id(getattr(model_drafter, "model", None)), tuple(mask.kept_layers) if mask is not None else None,
-            head.key if head is not None else None)
+            head.key if head is not None else None, getattr(model_drafter, "context", None))
 
 
 def block_cost(block: BlockResult, charged_to_slim: bool, seconds: float, drafting: float, drafter_passes: int) -> BlockCost:
