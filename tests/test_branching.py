@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, assert_stats_consistent, near_copy, tiny_causal_lm
-from viasd_hf import RoutingMask, ViaSDConfig, branching, viasd_generate
+from viasd_hf import RoutingMask, ViaSDConfig, viasd_generate
 from viasd_hf.branching import RunnerUp, can_branch, keep_leaf, leaf_inputs, runner_up
 from viasd_hf.cache import new_cache
 
@@ -28,8 +28,19 @@ def test_the_runner_up_goes_where_the_drafter_rates_it_likeliest_to_be_needed():
     assert runner_up([1, 3], [sure, torn]) == RunnerUp(1, 4)  # 0.9 · 0.4 beats 0.05 at position 0
     assert runner_up([3, 1], [torn, sure]) == RunnerUp(0, 4)
     assert runner_up([1, 1], [sure, sure]) is None, "a runner-up of 0.05 is not worth the row"
+    assert runner_up([1, 1], [sure, sure], min_chance=0.01) == RunnerUp(0, 2)
     off_top = distribution(t5=0.6, t6=0.3)
     assert runner_up([6], [off_top]) == RunnerUp(0, 5), "a draft that is not the top token: the top one is the other choice"
+    assert runner_up([6, 1], [None, sure], min_chance=0.0) is None, "a copied draft has no runner-up"
+
+
+def test_a_leaf_is_worth_its_row_when_it_is_likely_enough_and_rows_are_cheap():
+    from viasd_hf.draft_planner import DraftPlanner, StaticCosts
+
+    cheap_rows, dear_rows = (DraftPlanner(StaticCosts(drafter=0.2, per_token=b), longest=10) for b in (0.01, 0.2))
+    assert cheap_rows.leaf_threshold([0.9, 0.5]) < dear_rows.leaf_threshold([0.9, 0.5])
+    assert cheap_rows.leaf_threshold([0.9, 0.5]) < 0.05 < dear_rows.leaf_threshold([0.9, 0.5])
+    assert DraftPlanner(StaticCosts(drafter=0.2, per_token=0.0), longest=10).leaf_threshold([0.5]) == 0.0
 
 
 def test_a_leaf_sees_the_prefix_and_the_draft_before_it_at_its_own_position():
@@ -75,7 +86,10 @@ def test_branching_needs_a_mask_the_model_honours():
 
 @pytest.fixture(scope="module")
 def pair():
+    """A target sure enough of its tokens that its drafter's runner-ups mean something (a random head is flat)."""
     target = tiny_causal_lm("llama", seed=0, dtype=torch.float64)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(30)
     return target, near_copy(target, scale=0.03)
 
 
@@ -87,11 +101,10 @@ def decode(target, drafter, ids, **settings):
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
-def test_greedy_output_with_leaves_is_token_identical_to_generate_and_leaves_are_taken(pair, monkeypatch, adaptive):
-    monkeypatch.setattr(branching, "MIN_CHANCE", 0.0)  # a tiny random model is rarely sure of anything
+def test_greedy_output_with_leaves_is_token_identical_to_generate_and_leaves_are_taken(pair, adaptive):
     target, drafter = pair
     taken = 0
-    for seed in range(4):
+    for seed in range(6):
         ids = torch.randint(2, VOCAB, (1, 12), generator=torch.Generator().manual_seed(seed))
         expected = target.generate(ids, max_new_tokens=32, output_scores=True, return_dict_in_generate=True, **GREEDY)
         out = decode(target, drafter, ids, adaptive=adaptive, use_slim=False)
@@ -103,8 +116,7 @@ def test_greedy_output_with_leaves_is_token_identical_to_generate_and_leaves_are
     assert taken > 0, "no leaf was ever taken: the branch path went untested"
 
 
-def test_no_leaf_when_sampling_or_switched_off(pair, monkeypatch):
-    monkeypatch.setattr(branching, "MIN_CHANCE", 0.0)
+def test_no_leaf_when_sampling_or_switched_off(pair):
     target, drafter = pair
     ids = torch.randint(2, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     assert decode(target, drafter, ids, runner_up=False).viasd_stats.runner_up_blocks == 0

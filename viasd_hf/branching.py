@@ -11,7 +11,8 @@ is unchanged.
 
 The leaf goes where the drafter itself rates it likeliest to be needed:
 ``P(draft[:j] kept) · P(runner-up) ≈ c_0 ··· c_{j−1} · q_j(runner-up)``, from the drafter's own
-probabilities, and only when that chance is at least ``MIN_CHANCE`` (the row is cheap, not free).
+probabilities, and only when that chance pays for the row: the draft planner's cost model
+(``DraftPlanner.leaf_threshold``) or, without one, ``MIN_CHANCE``.
 
 Supported where a custom 4-D attention mask means what it says: decoder-only models on SDPA or
 eager attention, a cache of plain full-attention layers, a prompt without padding.
@@ -26,7 +27,7 @@ from torch import nn
 
 from .cache import crop_to, self_attention_layers
 
-MIN_CHANCE = 0.1  # the drafter's own chance that the leaf is the full model's token; below it the row is not spent
+MIN_CHANCE = 0.1  # without a cost model: the least chance that the leaf is the full model's token worth a row
 MASK_KINDS = ("sdpa", "eager")
 
 
@@ -38,14 +39,19 @@ class RunnerUp:
     token: int
 
 
-def runner_up(tokens: list[int], probs: list[torch.Tensor]) -> RunnerUp | None:
-    """The runner-up worth a leaf: where ``P(drafts before it kept) · q(runner-up)`` is largest, if ≥ ``MIN_CHANCE``."""
+def runner_up(tokens: list[int], probs: list[torch.Tensor | None], min_chance: float | None = None) -> RunnerUp | None:
+    """The runner-up worth a leaf beside draft ``tokens`` (drawn from ``probs``): where
+    ``P(drafts before it kept) · q(runner-up)`` is largest, if ≥ ``min_chance`` (default ``MIN_CHANCE``); none for
+    a draft not drawn from a model (prompt lookup)."""
+    min_chance = MIN_CHANCE if min_chance is None else min_chance
+    if any(distribution is None for distribution in probs):
+        return None
     best, reach = None, 1.0
     for position, (token, distribution) in enumerate(zip(tokens, probs)):
         top = distribution.topk(2)
         second = int(top.indices[1]) if int(top.indices[0]) == token else int(top.indices[0])
         chance = reach * float(distribution[second])
-        if chance >= MIN_CHANCE and (best is None or chance > best[0]):
+        if chance >= min_chance and (best is None or chance > best[0]):
             best = (chance, RunnerUp(position, second))
         reach *= float(distribution[token])
     return best[1] if best is not None else None

@@ -26,7 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from .accept import Draft
 from .adaptive import BlockCost, measures_wall_clock
 from .attention import fastest_attention
-from .branching import can_branch
+from .branching import can_branch, runner_up
 from .config import ViaSDConfig
 from .draft_planner import DraftPlanner, MeasuredCosts, static_costs
 from .drafters import Drafter, model_drafter_of
@@ -151,8 +151,9 @@ class ViaSDDecoder:
         shadow = slim_runs and self.controller is not None and self.controller.probes_in_shadow()
         tiers = self.chooser.tiers(self.tiers) if self.chooser is not None else self.tiers
         policy = shadow_tiered if shadow else self.slim_policy if slim_runs else two_tier
-        if policy is not two_tier or not self.verifies_runner_up:
-            draft.runner_up = None  # a leaf rides only in a plain full pass (``branching``)
+        if policy is two_tier and self.verifies_runner_up:  # a leaf rides only in a plain full pass
+            threshold = self.planner.leaf_threshold(draft.confidences) if self.planner is not None else None
+            draft.runner_up = runner_up(draft.tokens, draft.probs, threshold)
         self.stats.runner_up_blocks += int(draft.runner_up is not None)
         block = policy(tiers, state, draft)
         if self.chooser is not None:

@@ -222,6 +222,19 @@ class DraftPlanner:
         block_cost = drafted * draft + base + per_token * (drafted + 1)
         return next_kept * block_cost > expected * (draft + per_token)
 
+    def leaf_threshold(self, confidences: list[float]) -> float:
+        """The least chance of being taken for which a leaf beside this draft (``branching``) is worth its row.
+
+        A leaf adds one token to the verifying pass (``b``) and, when taken, one committed token, so
+        it raises the block's throughput ``E/C`` iff ``chance · C(k) > E(k) · b``."""
+        all_kept, expected = 1.0, 1.0
+        for confidence in confidences:
+            all_kept *= self.acceptance.kept(confidence)
+            expected += all_kept
+        drafted, per_token = len(confidences), self.costs.verify_per_token()
+        block_cost = drafted * self.costs.drafter_pass() + self.costs.verify_base() + per_token * (drafted + 1)
+        return expected * per_token / block_cost
+
     def observe(self, draft: Draft, judged: int, kept: int) -> None:
         """What the verifiers kept of a model's draft (copied drafts say nothing about the drafter's confidence)."""
         if draft.tokens and all(probs is not None for probs in draft.probs):

@@ -22,7 +22,6 @@ from torch import nn
 from transformers import LogitsProcessorList
 
 from .accept import Draft
-from .branching import runner_up
 from .cache import crop_to, new_cache
 from .hybrid_choice import CopyOrDraft
 from .masks import RoutingMask
@@ -124,8 +123,6 @@ class _ModelDrafter:
                 sequence = torch.cat([sequence, feed], dim=-1)
                 if stop_when_unsure and confidences[-1] < self.confidence_threshold:
                     break
-        if not self.do_sample:
-            draft.runner_up = runner_up(draft.tokens, draft.probs)
         return draft
 
 
