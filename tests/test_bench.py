@@ -170,5 +170,7 @@ def test_bench_cli_runs_every_method_on_spec_bench(tmp_path, capsys):
     assert {p.name for p in pictures.iterdir()} == {"speedup_vs_quality.png", "tier_fractions.png"}
     assert sum(data["methods"]["viasd"]["time_shares"].values()) == pytest.approx(1.0)
     assert all("slim_on_fraction" in row for row in data["methods"]["viasd"]["per_task"].values())
+    lossless = data["methods"]["viasd_lossless"]
+    assert 0 <= lossless["runner_up_per_block"] <= 1 and (lossless["runner_up_taken"] or 0) <= 1
     out = capsys.readouterr().out
     assert "| viasd |" in out and "Speed-up over greedy per task" in out and "Where the time goes" in out
