@@ -151,3 +151,13 @@ def test_a_boolean_mask_is_converted_once_per_pass_and_afresh_for_the_next():
     converted = attention._additive(next_pass, torch.bfloat16)
     assert converted is not first and torch.equal(converted == 0, next_pass)
     assert attention._additive(next_pass, torch.float32).dtype == torch.float32
+    next_pass[..., 1] = False  # the same mask object, changed in place
+    assert torch.equal(attention._additive(next_pass, torch.float32) == 0, next_pass)
+
+
+def test_a_float64_model_stays_on_sdpa_whose_softmax_is_as_exact(always):
+    always("eager")
+    model = tiny_causal_lm("llama", dtype=torch.float64)
+    with fastest_attention():
+        steered = cached_logits(model, rows=3)
+    assert torch.equal(steered, cached_logits(model, rows=3)) and not kernel_choices()

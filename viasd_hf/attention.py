@@ -39,7 +39,7 @@ _STEERED: ContextVar[bool] = ContextVar("viasd_fastest_attention", default=False
 _LOCK = threading.Lock()
 _installed: dict[str, Any] = {"users": 0, "sdpa": None}
 _choices: dict[Bucket, str] = {}
-_LAST_ADDITIVE: ContextVar[tuple[torch.Tensor, torch.dtype, torch.Tensor] | None] = ContextVar(
+_LAST_ADDITIVE: ContextVar[tuple[torch.Tensor, int, torch.dtype, torch.Tensor] | None] = ContextVar(
     "viasd_last_additive_mask", default=None)  # every layer of a pass gets the same boolean mask: convert it once
 
 
@@ -134,8 +134,11 @@ def _eager_of(module: nn.Module, query: torch.Tensor, attention_mask: torch.Tens
               kwargs: dict) -> Callable | None:
     """The model's own eager attention, where it computes what SDPA would: a short query on CPU, no dropout, a mask
     given wherever causality needs one (SDPA infers it from ``is_causal`` without a mask; eager cannot), no
-    position bias (T5's, which SDPA folds in itself) and keyword arguments only."""
+    position bias (T5's, which SDPA folds in itself) and keyword arguments only. Not in float64: transformers'
+    eager attention takes its softmax in float32, so it would be less exact than SDPA there."""
     if args or query.device.type != "cpu" or module.training or query.shape[2] > LONGEST_QUERY:
+        return None
+    if query.dtype == torch.float64:
         return None
     if (attention_mask is None and query.shape[2] > 1) or kwargs.get("position_bias") is not None:
         return None
@@ -148,11 +151,11 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     if mask is None or mask.dtype != torch.bool:
         return mask
     last = _LAST_ADDITIVE.get()
-    if last is not None and last[0] is mask and last[1] == dtype:
-        return last[2]
+    if last is not None and last[0] is mask and last[1] == mask._version and last[2] == dtype:  # unchanged since
+        return last[3]
     blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=mask.device)
     additive = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), blocked)
-    _LAST_ADDITIVE.set((mask, dtype, additive))
+    _LAST_ADDITIVE.set((mask, mask._version, dtype, additive))
     return additive
 
 
