@@ -28,9 +28,9 @@ def test_a_windowed_drafter_drafts_what_a_drafter_shown_only_its_tokens_drafts(p
     _, model = pair
     ids = prompt(0, 30)
     windowed = AssistantDrafter(model, LogitsProcessorList(), None, context=10)
-    windowed.prefill(ids)
+    assert windowed.prefill(ids) == 1
     seen = torch.cat([ids[:, :ATTENTION_SINK_TOKENS], ids[:, -(10 - ATTENTION_SINK_TOKENS) :]], dim=-1)
-    assert windowed.cache.get_seq_length() == 9, "the sinks and the latest prompt tokens but the last, which drafts"
+    assert windowed.cache.get_seq_length() == 10, "the sinks and the latest prompt tokens, in one pass"
     reference = AssistantDrafter(model, LogitsProcessorList(), None)
     reference.prefill(seen)
 
@@ -67,7 +67,7 @@ def test_a_left_padded_prompt_is_read_whole(pair):
     drafter = AssistantDrafter(model, LogitsProcessorList(), None, inputs=ModelInputs(prompt_attention_mask=padding),
                                context=5)
     drafter.prefill(ids)
-    assert drafter.skipped == slice(0, 0) and drafter.cache.get_seq_length() == 19
+    assert drafter.skipped == slice(0, 0) and drafter.cache.get_seq_length() == 20
 
 
 def test_the_drafter_context_is_a_validated_config_field_and_a_bench_lever():

@@ -179,7 +179,7 @@ def test_custom_generate_callable_uses_the_assistant_model_passed_to_generate():
     out = target.generate(ids, custom_generate=viasd_generate, assistant_model=assistant, viasd_config=lossless(target),
                           max_new_tokens=12, return_dict_in_generate=True, **GREEDY)
     assert torch.equal(out.sequences, expected)
-    assert assistant_calls[0] == out.viasd_stats.drafter_forwards + 1 > 1, "its drafting passes and its prefill"
+    assert assistant_calls[0] == out.viasd_stats.drafter_forwards > 1, "its prefill and drafting passes"
 
 
 def test_custom_generate_callable_refuses_two_different_drafters():

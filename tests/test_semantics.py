@@ -72,8 +72,8 @@ class ForbiddenDrafter:
     def commit(self, ids) -> None:
         pass
 
-    def prefill(self, ids) -> None:
-        pass
+    def prefill(self, ids) -> int:
+        return 0
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from .attention import fastest_attention
 from .branching import can_branch, runner_up
 from .config import ViaSDConfig
 from .draft_planner import DraftPlanner, MeasuredCosts, static_costs
-from .drafters import Drafter, model_drafter_of
+from .drafters import Drafter, SelfDrafter, model_drafter_of
 from .mask_chooser import MaskChoice
 from .mask_set import MaskSet
 from .masks import RoutingMask
@@ -90,6 +90,7 @@ class ViaSDDecoder:
         self._first_switch = len(self.controller.switches) if self.controller is not None else 0
         self.steers_attention = steers_attention(config, do_sample)
         self.verifies_runner_up = config.runner_up and not do_sample  # and where the cache allows it (``run``)
+        self.carries_prompt = False  # whether the first block's full pass processes the prompt (``prefill``)
         self.planner_key = planner_key(drafter_key, slim_mask, config, do_sample) if config.adaptive else None
         self.planner = None
         if config.adaptive:
@@ -115,6 +116,8 @@ class ViaSDDecoder:
         self.verifies_runner_up &= can_branch(self.model, state.target_cache.cache, state.target_cache.padded)
         with fastest_attention(self.steers_attention):
             self.prefill(state)
+            if self.carries_prompt:
+                self.open(state)
             while not self.finished:
                 self.step(state)
         if self.streamer is not None:
@@ -130,15 +133,40 @@ class ViaSDDecoder:
         return state
 
     def prefill(self, state: DecodingState) -> None:
-        """The full model, then the drafter, process the prompt but its last token, which opens the first block."""
-        if state.length > 1:
+        """The drafter processes the prompt. The full model processes it in the first block's pass where that block
+        is plain two-tier (``open``); otherwise it prefills the prompt but its last token, which opens the first block."""
+        started = time.perf_counter()
+        passes = self.drafter.prefill(state.ids)
+        self.stats.record_draft(passes, time.perf_counter() - started)
+        self.carries_prompt = state.length > 1 and self.first_block_is_two_tier()
+        if state.length > 1 and not self.carries_prompt:
             started = time.perf_counter()
             state.target_cache.run(self.model, state.ids[:, :-1], 0, keep=1)
             state.target_cache.keep(state.length - 1)
             self.stats.record_prefill(time.perf_counter() - started)
-            started = time.perf_counter()
-            self.drafter.prefill(state.ids)
-            self.stats.record_draft(0, time.perf_counter() - started)
+
+    def first_block_is_two_tier(self) -> bool:
+        """Whether the first block may carry the prompt: no self-drafter drafts on the full model's prefill, and the
+        slim tier does not run in it (its pass would have to process the prompt as well)."""
+        if isinstance(model_drafter_of(self.drafter), SelfDrafter):
+            return False
+        return self.tiers.slim is None or (self.controller is not None and not self.controller.use_slim())
+
+    def open(self, state: DecodingState) -> None:
+        """The first block, whose full pass processes the prompt too, as HF assisted generation's first call does:
+        one sweep over the target's weights fewer than a prefill of its own.
+
+        It runs only where the block is plain two-tier anyway (``first_block_is_two_tier``), and without a leaf,
+        which would need a mask over the whole prompt. What it cost, mostly the prompt, teaches neither the draft
+        planner nor the tier controller; what it accepted does."""
+        draft, _ = self.draft(state, slim_may_run=False)
+        block = two_tier(self.tiers, state, draft)
+        self.commit(state, block)
+        self.stats.record_block(block, drafted=len(draft.tokens), catch_up=False)
+        if self.planner is not None:
+            self.planner.observe(draft, block.judged, block.kept)
+        if self.check_invariants:
+            state.target_cache.check()
 
     def step(self, state: DecodingState) -> None:
         """One block: draft, let a policy verify, commit, and tell the controller what it cost."""

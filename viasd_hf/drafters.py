@@ -52,9 +52,10 @@ class Drafter(Protocol):
     def commit(self, ids: torch.Tensor) -> None:
         """``ids`` are now committed: forget whatever the drafter processed that is not on them."""
 
-    def prefill(self, ids: torch.Tensor) -> None:
-        """Process the prompt ``ids`` but its last token before the first block, so that the first draft costs what
-        a drafting pass costs: the draft planner and the tier controller price drafting from its timings."""
+    def prefill(self, ids: torch.Tensor) -> int:
+        """Process the prompt ``ids`` before the first block and return the passes that took. A model drafter keeps
+        the logits after the prompt for its first draft token, as HF's assistant does; every drafting pass is
+        then a short one, priced alike by the draft planner and the tier controller."""
 
 
 class _ModelDrafter:
@@ -80,6 +81,7 @@ class _ModelDrafter:
         self.confidence_threshold = confidence_threshold
         self.do_sample = do_sample
         self.head = head
+        self._opening: torch.Tensor | None = None  # logits after the prefilled prompt: the first draft's first token
 
     def _drafting(self) -> AbstractContextManager:
         """What holds while a draft is made (the self-drafter's routing and provisional cache writes)."""
@@ -94,13 +96,6 @@ class _ModelDrafter:
         raise NotImplementedError
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor) -> None:
-        prompt = self._pending(ids)[:, :-1]
-        if prompt.shape[1]:
-            with self._drafting():
-                self._forward(prompt)
-
-    @torch.no_grad()
     def draft(
         self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None, keep_drafting: KeepDrafting | None = None
     ) -> Draft:
@@ -110,8 +105,12 @@ class _ModelDrafter:
         stop_when_unsure = keep_drafting is None and self.confidence_threshold is not None
         with self._drafting():
             while len(draft.tokens) < max_tokens and (keep_drafting is None or keep_drafting(confidences)):
-                scores = self.logits_processor(sequence, self._forward(feed)[-1:].float())
-                draft.forwards += 1
+                if self._opening is not None and not feed.shape[1]:
+                    logits, self._opening = self._opening, None
+                else:
+                    logits = self._forward(feed)[-1:]
+                    draft.forwards += 1
+                scores = self.logits_processor(sequence, logits.float())
                 if forbidden(scores).all():
                     break
                 probs = scores.softmax(-1)[0]
@@ -154,13 +153,18 @@ class AssistantDrafter(_ModelDrafter):
         self.processed: list[int] = []  # the tokens in ``cache``, drafts included until ``commit``
         self.skipped = slice(0, 0)  # the prompt positions never fed
 
-    def prefill(self, ids: torch.Tensor) -> None:
+    def prefill(self, ids: torch.Tensor) -> int:
         prompt = ids.shape[-1]
         if self.context is not None and not self.processed and prompt > self.context and self._unpadded(ids):
             sinks = min(ATTENTION_SINK_TOKENS, self.context - 1)  # the prompt's last token is always read
             self.skipped = slice(sinks, prompt - (self.context - sinks))
             self.inputs = ModelInputs()  # no padding: positions simply count the tokens fed
-        super().prefill(ids)
+        prompt = self._pending(ids)
+        if not prompt.shape[1]:
+            return 0
+        with torch.no_grad():
+            self._opening = self._forward(prompt)[-1:]
+        return 1
 
     def _unpadded(self, ids: torch.Tensor) -> bool:
         mask = self.inputs.prompt_attention_mask
@@ -188,6 +192,7 @@ class AssistantDrafter(_ModelDrafter):
         keep = min(keep, len(committed) - 1)  # the newest committed token is fed with the next draft
         crop_to(self.cache, keep)
         del self.processed[keep:]
+        self._opening = None
 
 
 class SelfDrafter(_ModelDrafter):
@@ -230,6 +235,10 @@ class SelfDrafter(_ModelDrafter):
 
     def commit(self, ids: torch.Tensor) -> None:
         """Nothing to forget: the provisional writes were cropped when drafting ended."""
+
+    def prefill(self, ids: torch.Tensor) -> int:
+        """Nothing of its own to process: the full model's prefill fills the cache this drafter reads."""
+        return 0
 
 
 class PromptLookupDrafter:
@@ -285,8 +294,9 @@ class PromptLookupDrafter:
     def commit(self, ids: torch.Tensor) -> None:
         """Stateless: the lookup reads the committed sequence afresh each block."""
 
-    def prefill(self, ids: torch.Tensor) -> None:
+    def prefill(self, ids: torch.Tensor) -> int:
         """Nothing to process: the lookup reads the committed sequence afresh each block."""
+        return 0
 
 
 class HybridDrafter:
@@ -325,8 +335,8 @@ class HybridDrafter:
         self._pending_block = None
         self.model_drafter.commit(ids)
 
-    def prefill(self, ids: torch.Tensor) -> None:
-        self.model_drafter.prefill(ids)
+    def prefill(self, ids: torch.Tensor) -> int:
+        return self.model_drafter.prefill(ids)
 
 
 def model_drafter_of(drafter: Drafter) -> Drafter:
