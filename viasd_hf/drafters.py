@@ -65,7 +65,9 @@ class _ModelDrafter:
     With ``head`` (a draft vocabulary's sliced LM head) it proposes only the vocabulary's tokens: each
     proposal is the processed softmax over the vocabulary, zero elsewhere, and that is the distribution
     handed to the verifiers, so rejection sampling stays exact. It stops drafting where the logits
-    processors allow no token of the vocabulary.
+    processors allow no token of the vocabulary, and after one of ``end_tokens`` (the EOS tokens): nothing
+    drafted after the end of generation could be committed. Where to stop depends only on the drafts
+    already made, so sampling stays exact.
     """
 
     name = "model"
@@ -76,11 +78,13 @@ class _ModelDrafter:
         confidence_threshold: float | None,
         do_sample: bool = False,
         head: SubsetHead | None = None,
+        end_tokens: frozenset[int] = frozenset(),
     ) -> None:
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
         self.do_sample = do_sample
         self.head = head
+        self.end_tokens = end_tokens
         self._opening: torch.Tensor | None = None  # logits after the prefilled prompt: the first draft's first token
 
     def _drafting(self) -> AbstractContextManager:
@@ -120,7 +124,7 @@ class _ModelDrafter:
                 confidences.append(probs[token].item())
                 feed = torch.tensor([[token]], device=sequence.device)
                 sequence = torch.cat([sequence, feed], dim=-1)
-                if stop_when_unsure and confidences[-1] < self.confidence_threshold:
+                if token in self.end_tokens or (stop_when_unsure and confidences[-1] < self.confidence_threshold):
                     break
         return draft
 
@@ -144,8 +148,9 @@ class AssistantDrafter(_ModelDrafter):
         inputs: ModelInputs | None = None,
         head: SubsetHead | None = None,
         context: int | None = None,
+        end_tokens: frozenset[int] = frozenset(),
     ) -> None:
-        super().__init__(logits_processor, confidence_threshold, do_sample, head)
+        super().__init__(logits_processor, confidence_threshold, do_sample, head, end_tokens)
         self.model = model
         self.inputs = inputs or ModelInputs()
         self.context = context
@@ -209,8 +214,9 @@ class SelfDrafter(_ModelDrafter):
         confidence_threshold: float | None,
         do_sample: bool = False,
         head: SubsetHead | None = None,
+        end_tokens: frozenset[int] = frozenset(),
     ) -> None:
-        super().__init__(logits_processor, confidence_threshold, do_sample, head)
+        super().__init__(logits_processor, confidence_threshold, do_sample, head, end_tokens)
         mask.validate_for(model)
         self.model = model
         self.mask = mask
@@ -246,7 +252,8 @@ class PromptLookupDrafter:
 
     As in transformers, a copied continuation is cut before the first token the logits processors
     forbid there (``no_repeat_ngram_size`` forbids exactly what a lookup copies), found by running
-    them on a row of equal logits; if nothing is left, an earlier occurrence is tried.
+    them on a row of equal logits; if nothing is left, an earlier occurrence is tried. It is also cut
+    after its first end token (EOS): nothing after it could be committed.
     """
 
     name = "prompt_lookup"
@@ -257,6 +264,7 @@ class PromptLookupDrafter:
         logits_processor: LogitsProcessorList | None = None,
         vocab_size: int | None = None,
         max_ngram_size: int = 2,
+        end_tokens: frozenset[int] = frozenset(),
     ) -> None:
         if logits_processor and vocab_size is None:
             raise ValueError("PromptLookupDrafter needs vocab_size to check its drafts against logits_processor")
@@ -264,6 +272,7 @@ class PromptLookupDrafter:
         self.logits_processor = logits_processor
         self.vocab_size = vocab_size
         self.max_ngram_size = max_ngram_size
+        self.end_tokens = end_tokens
 
     def draft(
         self, ids: torch.Tensor, max_tokens: int, rng: RandomStream | None, keep_drafting: KeepDrafting | None = None
@@ -275,7 +284,7 @@ class PromptLookupDrafter:
             for start in range(len(tokens) - size - 1, -1, -1):
                 if tokens[start : start + size] == tail:
                     copied = tokens[start + size : start + size + min(self.num_tokens, max_tokens)]
-                    proposal = self.allowed_prefix(ids, copied)
+                    proposal = self.allowed_prefix(ids, through_first_end(copied, self.end_tokens))
                     if proposal:
                         return Draft(tokens=proposal, probs=[None] * len(proposal))
         return Draft(tokens=[], probs=[])
@@ -337,6 +346,14 @@ class HybridDrafter:
 
     def prefill(self, ids: torch.Tensor) -> int:
         return self.model_drafter.prefill(ids)
+
+
+def through_first_end(tokens: list[int], end_tokens: frozenset[int]) -> list[int]:
+    """``tokens`` up to and including the first of ``end_tokens``."""
+    for i, token in enumerate(tokens):
+        if token in end_tokens:
+            return tokens[: i + 1]
+    return tokens
 
 
 def model_drafter_of(drafter: Drafter) -> Drafter:

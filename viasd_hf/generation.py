@@ -105,6 +105,12 @@ def check_same_vocabulary(model: nn.Module, assistant_model: nn.Module) -> None:
         )
 
 
+def end_tokens(generation_config: GenerationConfig) -> frozenset[int]:
+    """The tokens that end generation (``eos_token_id``: one, a list, or none): a draft stops at one."""
+    eos = generation_config.eos_token_id
+    return frozenset() if eos is None else frozenset(torch.as_tensor(eos).flatten().tolist())
+
+
 def build_drafter(
     model: nn.Module,
     config: ViaSDConfig,
@@ -122,16 +128,18 @@ def build_drafter(
     model's LM head cut to a draft vocabulary.
     """
     lookup = None
+    ends = end_tokens(generation_config)
     if generation_config.prompt_lookup_num_tokens:
         vocab_size = model_config(model).get_text_config().vocab_size
-        lookup = PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, logits_processor, vocab_size)
+        lookup = PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, logits_processor, vocab_size,
+                                     end_tokens=ends)
     if assistant_model is None:
         if lookup is not None:
             return lookup
         mask = resolve_mask(config.self_draft_mask, model, "self-drafter")
         return SelfDrafter(
             model, mask, target_cache, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
-            head,
+            head, ends,
         )  # fmt: skip
     if is_encoder_decoder(model):
         raise ValueError(
@@ -141,7 +149,7 @@ def build_drafter(
     check_same_vocabulary(model, assistant_model)
     assistant = AssistantDrafter(
         assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
-        inputs=target_cache.inputs, head=head, context=config.drafter_context,
+        inputs=target_cache.inputs, head=head, context=config.drafter_context, end_tokens=ends,
     )
     if lookup is None:
         return assistant
