@@ -56,9 +56,9 @@ class ViaSDStats:
     slim_tier_verdict: str | None = None
     mask_choice: dict[str, Any] | None = None
     full_forwards: int = 0
-    prefill_forwards: int = 0
+    prefill_forwards: int = 0  # 0 where the first block's full pass carried the prompt (``ViaSDDecoder.open``)
     slim_forwards: int = 0
-    drafter_forwards: int = 0
+    drafter_forwards: int = 0  # its prefill included, which gives an assistant's first draft token
     drafted_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=lambda: {"drafter": 0.0, "slim": 0.0, "full": 0.0, "total": 0.0})
