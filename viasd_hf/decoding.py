@@ -90,7 +90,6 @@ class ViaSDDecoder:
         self._first_switch = len(self.controller.switches) if self.controller is not None else 0
         self.steers_attention = steers_attention(config, do_sample)
         self.verifies_runner_up = config.runner_up and not do_sample  # and where the cache allows it (``run``)
-        self.carries_prompt = False  # whether the first block's full pass processes the prompt (``prefill``)
         self.planner_key = planner_key(drafter_key, slim_mask, config, do_sample) if config.adaptive else None
         self.planner = None
         if config.adaptive:
@@ -115,8 +114,7 @@ class ViaSDDecoder:
             self.streamer.put(state.ids.cpu())
         self.verifies_runner_up &= can_branch(self.model, state.target_cache.cache, state.target_cache.padded)
         with fastest_attention(self.steers_attention):
-            self.prefill(state)
-            if self.carries_prompt:
+            if self.prefill(state):
                 self.open(state)
             while not self.finished:
                 self.step(state)
@@ -132,18 +130,22 @@ class ViaSDDecoder:
         self.stats.seconds["total"] = time.perf_counter() - started
         return state
 
-    def prefill(self, state: DecodingState) -> None:
+    def prefill(self, state: DecodingState) -> bool:
         """The drafter processes the prompt. The full model processes it in the first block's pass where that block
-        is plain two-tier (``open``); otherwise it prefills the prompt but its last token, which opens the first block."""
+        is plain two-tier (``open``); otherwise it prefills the prompt but its last token, which opens the first block.
+        Returns whether the first block carries the prompt."""
         started = time.perf_counter()
         passes = self.drafter.prefill(state.ids)
         self.stats.record_draft(passes, time.perf_counter() - started)
-        self.carries_prompt = state.length > 1 and self.first_block_is_two_tier()
-        if state.length > 1 and not self.carries_prompt:
-            started = time.perf_counter()
-            state.target_cache.run(self.model, state.ids[:, :-1], 0, keep=1)
-            state.target_cache.keep(state.length - 1)
-            self.stats.record_prefill(time.perf_counter() - started)
+        if state.length <= 1:  # nothing before the token that opens the first block
+            return False
+        if self.first_block_is_two_tier():
+            return True
+        started = time.perf_counter()
+        state.target_cache.run(self.model, state.ids[:, :-1], 0, keep=1)
+        state.target_cache.keep(state.length - 1)
+        self.stats.record_prefill(time.perf_counter() - started)
+        return False
 
     def first_block_is_two_tier(self) -> bool:
         """Whether the first block may carry the prompt: no self-drafter drafts on the full model's prefill, and the

@@ -164,11 +164,11 @@ class AssistantDrafter(_ModelDrafter):
             sinks = min(ATTENTION_SINK_TOKENS, self.context - 1)  # the prompt's last token is always read
             self.skipped = slice(sinks, prompt - (self.context - sinks))
             self.inputs = ModelInputs()  # no padding: positions simply count the tokens fed
-        prompt = self._pending(ids)
-        if not prompt.shape[1]:
+        unread = self._pending(ids)
+        if not unread.shape[1]:
             return 0
         with torch.no_grad():
-            self._opening = self._forward(prompt)[-1:]
+            self._opening = self._forward(unread)[-1:]
         return 1
 
     def _unpadded(self, ids: torch.Tensor) -> bool:
