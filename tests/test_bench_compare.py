@@ -23,8 +23,9 @@ def run() -> dict:
     return {
         "command": "viasd bench ...",
         "options": {"dataset": "spec_bench", "temperature": None, "quantize": {}},
-        "methods": {"greedy": row(1.0), "hf_assisted": row(2.0), "viasd": row(2.0, slim_on_fraction=0.5,
-                                                                                  time_shares={"drafter": 0.4})},
+        "methods": {"greedy": row(1.0), "hf_assisted": row(2.0),
+                    "viasd": row(2.0, slim_on_fraction=0.5, time_shares={"drafter": 0.4},
+                                 quality={"greedy_agreement": 1.0, "full_model_agreement": 0.9876, "rougeL": 30.0})},
         "outputs": {
             "greedy": [output("qa", 10, [1.0]), output("rag", 10, [1.0]), output("qa", 10, [1.0])],
             "hf_assisted": [output("qa", 20, [1.0, 5.0, 1.0]), output("rag", 10, [1.0]), output("qa", 40, [1.0])],
@@ -43,7 +44,8 @@ def test_ratios_are_per_prompt_then_the_median(run):
 
 def test_tables_name_the_reference_the_levers_and_what_is_missing(run, tmp_path, capsys):
     table = methods_markdown(run, "hf_assisted")
-    assert "| viasd | 2.00 | 1.00 | 0.75 (qa) | 1.00 | rougeL 30.0 | 0.50 | 40% |" in table
+    assert "| viasd | 2.00 | 1.00 | 0.75 (qa) | 1.00 | 0.988 | rougeL 30.0 | 0.50 | 40% |" in table
+    assert "| hf_assisted | 2.00 | – | – | 1.00 | – | rougeL 30.0 | – | – |" in table  # not measured in this run
     levers = levers_markdown([run])
     assert "| slim tier (tiered) | `viasd` ÷ `two_tier` | 2.00 |" in levers
     assert "draft vocabulary" not in levers  # neither of its methods ran

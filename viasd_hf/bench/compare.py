@@ -78,8 +78,8 @@ def _quality(row: dict[str, Any]) -> str:
 
 def methods_markdown(run: dict[str, Any], reference: str) -> str:
     """One run: every method against greedy and against ``reference``, with quality and where time went."""
-    rows = [f"| method | × greedy | × {reference} | lowest task × {reference} | greedy agreement | quality | "
-            "slim tier on | drafting share of time |", "|---|---|---|---|---|---|---|---|"]
+    rows = [f"| method | × greedy | × {reference} | lowest task × {reference} | greedy agreement | full-model agreement | "
+            "quality | slim tier on | drafting share of time |", "|---|---|---|---|---|---|---|---|---|"]
     for name, row in run["methods"].items():
         versus, lowest = "–", "–"
         if reference in run["outputs"] and name != reference:
@@ -88,9 +88,10 @@ def methods_markdown(run: dict[str, Any], reference: str) -> str:
             lowest = f"{ratio:.2f} ({task})"
         slim_on = row.get("slim_on_fraction")
         drafting = (row.get("time_shares") or {}).get("drafter")
+        full_agreement = row["quality"].get("full_model_agreement")
         rows.append(
             f"| {name} | {row['speedup_vs_greedy']:.2f} | {versus} | {lowest} | {row['quality']['greedy_agreement']:.2f} | "
-            f"{_quality(row)} | {'–' if slim_on is None else f'{slim_on:.2f}'} | "
+            f"{'–' if full_agreement is None else f'{full_agreement:.3f}'} | {_quality(row)} | {'–' if slim_on is None else f'{slim_on:.2f}'} | "
             f"{'–' if drafting is None else f'{drafting:.0%}'} |"
         )
     return "\n".join(rows)

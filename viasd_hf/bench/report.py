@@ -25,7 +25,7 @@ def markdown(summary: dict[str, dict[str, Any]]) -> str:
     """One row per method: speed, work per token, quality; quality columns only for metrics some task produced."""
     shown = [(key, label) for key, label in QUALITY_COLUMNS if any(key in row["quality"] for row in summary.values())]
     header = ["method", "tokens/s", "× greedy", "accepted / full call", "rejection rate", "full calls / token",
-              "greedy agreement", *(label for _, label in shown), "peak memory (MiB)"]
+              "greedy agreement", "full-model agreement", *(label for _, label in shown), "peak memory (MiB)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, row in summary.items():
         cells = [
@@ -36,6 +36,7 @@ def markdown(summary: dict[str, dict[str, Any]]) -> str:
             _cell(row["rejection_rate"]),
             _cell(row["full_calls_per_token"]),
             _cell(row["quality"]["greedy_agreement"]),
+            _cell(row["quality"].get("full_model_agreement"), 3),
             *(_cell(row["quality"].get(key), 1) for key, _ in shown),
             _cell(row["peak_memory_mib"], 0),
         ]

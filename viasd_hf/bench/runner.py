@@ -227,17 +227,30 @@ def _speed(runs: MethodRuns, greedy: MethodRuns, indexes: list[int]) -> dict[str
     }
 
 
-def _quality(examples: list[Example], runs: MethodRuns, greedy: MethodRuns, indexes: list[int], decode: Any) -> dict:
+def _full_model_agreement(runs: MethodRuns, agreed: list[int] | None, indexes: list[int]) -> dict[str, float]:
+    """Share of the generated tokens that were the full model's own choice (``fidelity``), where it was measured."""
+    tokens = sum(len(runs.outcomes[i].tokens) for i in indexes)
+    if agreed is None or not tokens:
+        return {}
+    return {"full_model_agreement": sum(agreed[i] for i in indexes) / tokens}
+
+
+def _quality(examples: list[Example], runs: MethodRuns, greedy: MethodRuns, indexes: list[int], decode: Any,
+             agreed: list[int] | None = None) -> dict:
     scores = quality([examples[i] for i in indexes], [decode(runs.outcomes[i].tokens) for i in indexes])
     ours = [runs.outcomes[i].tokens for i in indexes]
     theirs = [greedy.outcomes[i].tokens for i in indexes]
-    return {"greedy_agreement": agreement(ours, theirs)} | scores
+    return {"greedy_agreement": agreement(ours, theirs)} | _full_model_agreement(runs, agreed, indexes) | scores
 
 
 def summarise(
-    runs: dict[str, MethodRuns], examples: list[Example], decode: Any, weight_bytes: dict[str, int]
+    runs: dict[str, MethodRuns], examples: list[Example], decode: Any, weight_bytes: dict[str, int],
+    full_agreement: dict[str, list[int]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The JSON contract: per method speed, work, quality (macro-averaged over tasks) and per-task breakdowns.
+
+    ``full_agreement[name][i]``: how many of the method's tokens on prompt ``i`` were the full model's own
+    greedy choice (``fidelity``); pooled over tokens, not averaged over tasks.
 
     ``weight_bytes[name]`` is the bytes of weights the method keeps (target, plus the drafter if it
     uses one); its peak memory is that plus the most it allocated on top while decoding. Effective bandwidth is gpt-fast's figure: tokens/s × bytes of the target's weights.
@@ -250,9 +263,10 @@ def summarise(
     target_bytes = weight_bytes["greedy"]
     summary = {}
     for name, method_runs in runs.items():
+        agreed = (full_agreement or {}).get(name)
         per_task = {
             task: _speed(method_runs, greedy, indexes)
-            | {"quality": _quality(examples, method_runs, greedy, indexes, decode)}
+            | {"quality": _quality(examples, method_runs, greedy, indexes, decode, agreed)}
             | _task_work([method_runs.outcomes[i] for i in indexes])
             for task, indexes in by_task.items()
         }
@@ -260,10 +274,11 @@ def summarise(
         metrics: dict[str, list[float]] = defaultdict(list)
         for task_row in per_task.values():
             for metric, value in task_row["quality"].items():
-                if metric != "greedy_agreement":
+                if metric not in ("greedy_agreement", "full_model_agreement"):
                     metrics[metric].append(value)
         row["quality"] = {"greedy_agreement": agreement([o.tokens for o in method_runs.outcomes],
                                                         [o.tokens for o in greedy.outcomes])}
+        row["quality"] |= _full_model_agreement(method_runs, agreed, everything)
         row["quality"] |= {metric: statistics.mean(values) for metric, values in metrics.items()}
         row["peak_memory_mib"] = (weight_bytes[name] + method_runs.peak_memory_bytes) / 2**20
         row["weights_mib"] = weight_bytes[name] / 2**20

@@ -219,7 +219,8 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
 def run_bench_command(args: argparse.Namespace) -> int:
     """Check the arguments, load the pair, run every method on every prompt, then save and print the figures."""
     # Here, not at the top: the scorers the runner imports (rouge_score, sacrebleu) take about a second to load.
-    from ..bench.runner import machine_bandwidth_gb_s, run_methods, summarise
+    from ..bench.fidelity import full_model_agreement
+    from ..bench.runner import encode, machine_bandwidth_gb_s, run_methods, summarise
 
     names, examples, mask, self_mask = check_bench_args(args)
     mask_set = _mask_set(args) if "viasd_mask_set" in _bases(names) else None
@@ -244,7 +245,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0) for name in names}
     if unquantized:
         weights[UNQUANTIZED_REFERENCE] = sum(map(_weight_bytes, unquantized))
-    summary = summarise(runs, examples, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), weights)
+    full_agreement = None
+    if args.temperature is None and not target.config.is_encoder_decoder:  # sampled tokens have no greedy choice to match
+        prompts = [encode(tokenizer, example.prompt) for example in examples]
+        full_agreement = full_model_agreement(target, prompts, {name: [o.tokens for o in r.outcomes] for name, r in runs.items()})
+    summary = summarise(runs, examples, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), weights,
+                        full_agreement)
     env = environment(machine_bandwidth_gb_s())
     if args.json:  # first, so that nothing printed below can lose the run
         report = _report(args, summary, env, examples, mask, self_mask, runs, tokenizer, quantized)
