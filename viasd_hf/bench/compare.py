@@ -20,6 +20,7 @@ LEVERS = (
     ("slim tier (tiered)", "viasd", "two_tier"),
     ("slim tier (tiered, hybrid)", "viasd_hybrid", "two_tier_hybrid"),
     ("slim tier (lossless)", "viasd_lossless", "two_tier"),
+    ("slim tier always on, fixed draft rule (tiered)", "viasd_nocost", "two_tier_nocost"),
     ("slim tier (lossless, hybrid)", "viasd_lossless_hybrid", "two_tier_hybrid"),
     ("hybrid drafting (lossless)", "viasd_lossless_hybrid", "viasd_lossless"),
     ("hybrid drafting (tiered)", "viasd_hybrid", "viasd"),
