@@ -172,7 +172,7 @@ def test_a_block_that_clears_the_slim_backlog_is_charged_to_the_slim_tier(monkey
     enable_viasd(target)
     mask = RoutingMask.from_model(target, skip=[2])
     # the slim tier accepts every draft; "fixed": draft lengths from weight sizes, not timings, so the pattern is the same on every run
-    config = ViaSDConfig(routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, tier_switching="fixed")
+    config = ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, tier_switching="fixed")
     out = target.generate(torch.tensor([[3, 17, 5, 3, 17, 5]]), assistant_model=target, viasd_config=config,
                           max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
     wanted = [controller.pattern[i % 4] for i in range(len(backlogs))]
@@ -326,9 +326,9 @@ def test_auto_tier_switching_measures_only_where_the_choice_cannot_change_the_ou
 
 def test_tier_switching_is_validated():
     with pytest.raises(ValueError, match="tier_switching must be one of"):
-        ViaSDConfig(tier_switching="wallclock")
+        ViaSDConfig(mode="tiered", tier_switching="wallclock")
     with pytest.raises(ValueError, match="needs adaptive=True"):
-        ViaSDConfig(adaptive=False, tier_switching="fixed")
+        ViaSDConfig(mode="tiered", adaptive=False, tier_switching="fixed")
 
 
 def generate_stats(target, mask, config: dict, do_sample: bool):
@@ -469,10 +469,10 @@ def test_shadow_probes_put_none_of_the_slim_tiers_tokens_in_the_output(monkeypat
     mask = RoutingMask.from_model(target, skip=[1, 2])
     prompt = torch.tensor([[3, 17, 5, 3, 17, 5]])
     options = dict(assistant_model=target, max_new_tokens=30, do_sample=False, return_dict_in_generate=True)
-    two_tier = target.generate(prompt, viasd_config=ViaSDConfig(use_slim=False), **options)
+    two_tier = target.generate(prompt, viasd_config=ViaSDConfig(mode="tiered", use_slim=False), **options)
     monkeypatch.setattr(decoding, "tier_choice", lambda model, mask, drafter, config, do_sample: ShadowEveryBlock())
     # "fixed": draft lengths from weight sizes, not timings, so no block is left without a draft to probe
-    config = ViaSDConfig(routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, tier_switching="fixed")
+    config = ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, tier_switching="fixed")
     shadowed = target.generate(prompt, viasd_config=config, **options)
     assert torch.equal(shadowed.sequences, two_tier.sequences)
     assert torch.equal(shadowed.sequences, target.generate(prompt, max_new_tokens=30, do_sample=False))

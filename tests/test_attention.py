@@ -135,7 +135,7 @@ def test_the_kernel_choice_is_a_validated_config_field_and_a_bench_lever():
     from viasd_hf.bench.methods import STEERED_REFERENCE, MethodName
 
     with pytest.raises(ValueError, match="attention must be one of"):
-        ViaSDConfig(attention="eager")
+        ViaSDConfig(mode="tiered", attention="eager")
     assert MethodName.parse("viasd_lossless_sdpa").ablations == ("_sdpa",)
     assert MethodName.parse(STEERED_REFERENCE).base == STEERED_REFERENCE
     assert MethodName.parse(STEERED_REFERENCE + "_sdpa") is None, "ablations are ours only"

@@ -94,7 +94,8 @@ def pair():
 
 
 def decode(target, drafter, ids, **settings):
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", **settings)
+    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", plain_fallback=False,
+                         **settings)
     return target.generate(ids, custom_generate=viasd_generate, viasd_config=config, assistant_model=drafter,
                            max_new_tokens=32, viasd_check_invariants=True, return_dict_in_generate=True,
                            output_scores=True, **GREEDY)
@@ -126,7 +127,7 @@ def test_no_leaf_when_sampling_or_switched_off(pair):
                           max_new_tokens=16, do_sample=True, return_dict_in_generate=True, pad_token_id=0)
     assert out.viasd_stats.runner_up_blocks == 0
     with pytest.raises(TypeError, match="runner_up must be True or False"):
-        ViaSDConfig(runner_up=1)
+        ViaSDConfig(mode="tiered", runner_up=1)
 
 
 def test_the_runner_up_is_a_bench_lever():

@@ -139,7 +139,7 @@ def test_two_tier_equals_hf_assisted_generation(pair, seed, threshold, monkeypat
     hf_drafter = hf_assistant(assistant, 5, threshold)
     with TokensPerCall(target) as hf_target, TokensPerCall(hf_drafter) as hf_drafts:
         expected = target.generate(ids, assistant_model=hf_drafter, max_new_tokens=24, **GREEDY)
-    config = ViaSDConfig(use_slim=False, num_draft_tokens=5, draft_confidence_threshold=threshold, adaptive=False)
+    config = ViaSDConfig(mode="tiered", use_slim=False, num_draft_tokens=5, draft_confidence_threshold=threshold, adaptive=False)
     with TokensPerCall(target) as ours, TokensPerCall(assistant) as our_drafts:
         out = viasd(target, ids, config, drafter=assistant)
     assert torch.equal(out.sequences, expected)
@@ -162,9 +162,9 @@ def test_cascade_without_lenience_is_plain_speculative_decoding(pair, seed):
     target, assistant = pair
     ids = prompt(seed)
     expected = target.generate(ids, max_new_tokens=24, **GREEDY)
-    out = viasd(target, ids, ViaSDConfig(use_slim=False, cascade_lenience=0.0, adaptive=False), drafter=assistant)
+    out = viasd(target, ids, ViaSDConfig(mode="tiered", use_slim=False, cascade_lenience=0.0, adaptive=False), drafter=assistant)
     assert torch.equal(out.sequences, expected)
-    plain = viasd(target, ids, ViaSDConfig(use_slim=False, adaptive=False), drafter=assistant)
+    plain = viasd(target, ids, ViaSDConfig(mode="tiered", use_slim=False, adaptive=False), drafter=assistant)
     assert work_done(out.viasd_stats) == work_done(plain.viasd_stats), "α = 0 keeps exactly the drafts plain SD keeps"
     assert_stats_consistent(out.viasd_stats, 24, "lossless")
     assert out.viasd_stats.accepted_tokens >= 1 and out.viasd_stats.slim_forwards == 0
@@ -176,7 +176,7 @@ def test_cascade_keeps_only_tokens_within_its_lenience(seed):
     target = tiny_causal_lm("llama", seed=0, dtype=torch.float64)
     assistant = tiny_causal_lm("llama", seed=seed + 10, dtype=torch.float64, num_hidden_layers=2)
     ids = prompt(seed)
-    out = viasd(target, ids, ViaSDConfig(use_slim=False, cascade_lenience=0.5), drafter=assistant)
+    out = viasd(target, ids, ViaSDConfig(mode="tiered", use_slim=False, cascade_lenience=0.5), drafter=assistant)
     with torch.no_grad():
         probs = target(out.sequences).logits[0, ids.shape[1] - 1 : -1].softmax(-1)
     committed = out.sequences[0, ids.shape[1] :]
@@ -190,7 +190,7 @@ def test_cascade_keeps_only_tokens_within_its_lenience(seed):
 def test_tiered_with_unit_thresholds_equals_lossless(pair, masks, seed):
     target, assistant = pair
     ids = prompt(seed)
-    tiered = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], tau_accept=1.0, tau_escalate=1.0, adaptive=False),
+    tiered = viasd(target, ids, ViaSDConfig(mode="tiered", routing_mask=masks[0], tau_accept=1.0, tau_escalate=1.0, adaptive=False),
                    drafter=assistant)
     lossless = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], mode="lossless", adaptive=False), drafter=assistant)
     assert torch.equal(tiered.sequences, lossless.sequences)
@@ -199,7 +199,7 @@ def test_tiered_with_unit_thresholds_equals_lossless(pair, masks, seed):
     assert stats.slim_accepted_tokens == stats.slim_committed_tokens == 0
     assert stats.slim_forwards == stats.escalated_blocks >= stats.blocks - 1, "the slim tier saw and escalated every draft"
     # once escalated, the full model verifies the drafter's own block: the same work as two-tier decoding
-    two_tier = viasd(target, ids, ViaSDConfig(use_slim=False, adaptive=False), drafter=assistant).viasd_stats
+    two_tier = viasd(target, ids, ViaSDConfig(mode="tiered", use_slim=False, adaptive=False), drafter=assistant).viasd_stats
     for count in ("blocks", "drafted_tokens", "accepted_tokens", "decode_full_forwards", "drafter_forwards"):
         assert getattr(stats, count) == getattr(two_tier, count), count
     assert stats.accepted_tokens >= 1
@@ -227,7 +227,7 @@ def test_tiered_paper_preset_stats_add_up(pair, masks, seed):
 
 def test_slim_backlog_is_bounded(pair, masks):
     target, assistant = pair
-    config = ViaSDConfig(routing_mask=masks[0], tau_accept=0.0, tau_escalate=0.0, max_slim_backlog=7, adaptive=False)
+    config = ViaSDConfig(mode="tiered", routing_mask=masks[0], tau_accept=0.0, tau_escalate=0.0, max_slim_backlog=7, adaptive=False)
     stats = viasd(target, prompt(0), config, drafter=assistant, max_new_tokens=40).viasd_stats
     assert stats.peak_slim_backlog <= 7
     assert stats.catch_up_blocks >= 1
@@ -266,7 +266,7 @@ def expected_blocks_for_a_perfect_drafter(target, ids, max_new_tokens, num_draft
 PERFECT_DRAFTER_TIERS = {
     "two-tier": dict(use_slim=False),
     "lossless": dict(mode="lossless", tau_accept=0.0, tau_escalate=0.0),  # τ = 0: the slim tier repairs nothing
-    "tiered-escalate-all": dict(tau_accept=1.0, tau_escalate=1.0),  # the slim tier escalates every draft
+    "tiered-escalate-all": dict(mode="tiered", tau_accept=1.0, tau_escalate=1.0),  # the slim tier escalates every draft
 }
 
 
@@ -330,7 +330,7 @@ def test_tiered_greedy_with_the_slim_model_drafting_is_the_slim_models_greedy_ou
     mask = RoutingMask.from_model(model, skip=skip)
     ids = prompt(21, prompt_length)
     new_tokens = 24  # blocks of 5 drafts + 1 bonus: no block is left without room to draft
-    config = ViaSDConfig(self_draft_mask=mask, routing_mask=mask, tau_escalate=0.0, num_draft_tokens=5,
+    config = ViaSDConfig(mode="tiered", self_draft_mask=mask, routing_mask=mask, tau_escalate=0.0, num_draft_tokens=5,
                          draft_confidence_threshold=None, adaptive=False, max_slim_backlog=new_tokens + 8)
     out = viasd(model, ids, config, max_new_tokens=new_tokens)
     reference = slim_greedy_reference(model, skip, ids, new_tokens)
@@ -354,7 +354,7 @@ def test_tiered_greedy_regenerating_every_draft_is_the_slim_models_greedy_output
     drafter = perturbed_copy(model, 0.01, seed=5)
     skip = TIERED_REFERENCE_SKIPS[kind]
     ids, new_tokens = prompt(22), 16
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(model, skip=skip), tau_accept=1.0, tau_escalate=0.0,
+    config = ViaSDConfig(mode="tiered", routing_mask=RoutingMask.from_model(model, skip=skip), tau_accept=1.0, tau_escalate=0.0,
                          adaptive=False, max_slim_backlog=new_tokens + 8)
     out = viasd(model, ids, config, drafter=drafter, max_new_tokens=new_tokens)
     reference = slim_greedy_reference(model, skip, ids, new_tokens)
@@ -396,7 +396,8 @@ def test_stats_count_the_passes_the_model_really_ran(pair, masks):
 def test_streamer_gets_prompt_then_every_committed_token(pair, masks, mode):
     target, assistant = pair
     ids, streamer = prompt(3), RecordingStreamer()
-    out = viasd(target, ids, ViaSDConfig(routing_mask=masks[0], mode=mode), drafter=assistant, viasd_streamer=streamer)
+    config = ViaSDConfig(routing_mask=masks[0], mode=mode, plain_fallback=False)
+    out = viasd(target, ids, config, drafter=assistant, viasd_streamer=streamer)
     assert streamer.chunks[0] == ids[0].tolist()
     assert sum(streamer.chunks[1:], []) == out.sequences[0, 10:].tolist()
     assert streamer.ended
@@ -492,7 +493,7 @@ def test_enable_viasd_routes_viasd_config_and_leaves_plain_generate_alone(masks)
     ids = prompt(8)
     before = target.generate(ids, max_new_tokens=16, **GREEDY)
     with pytest.raises(ValueError, match="viasd_config"):
-        target.generate(ids, max_new_tokens=4, viasd_config=ViaSDConfig(routing_mask=masks[0]), **GREEDY)
+        target.generate(ids, max_new_tokens=4, viasd_config=ViaSDConfig(mode="tiered", routing_mask=masks[0]), **GREEDY)
     enable_viasd(target)
     assert type(target) is type(assistant)  # the class is left alone
     assert torch.equal(target.generate(ids, max_new_tokens=16, **GREEDY), before)
@@ -524,7 +525,7 @@ def test_mixin_on_a_model_class(masks):
 
 def test_clear_errors_for_unsupported_requests(pair, masks):
     target, assistant = pair
-    config = ViaSDConfig(routing_mask=masks[0])
+    config = ViaSDConfig(mode="tiered", routing_mask=masks[0])
     with pytest.raises(ValueError, match="batch of 2"):
         viasd(target, torch.cat([prompt(0), prompt(1)]), config, drafter=assistant)
     other_vocab = tiny_causal_lm("llama", seed=1, dtype=torch.float64, vocab_size=VOCAB + 8)
@@ -532,10 +533,10 @@ def test_clear_errors_for_unsupported_requests(pair, masks):
         viasd(target, prompt(0), config, drafter=other_vocab)
     t5 = tiny_t5()
     with pytest.raises(ValueError, match="assistant model for an encoder-decoder target"):
-        t5.generate(prompt(0), custom_generate=viasd_generate, viasd_config=ViaSDConfig(), drafter=tiny_t5(seed=1),
+        t5.generate(prompt(0), custom_generate=viasd_generate, viasd_config=ViaSDConfig(mode="tiered"), drafter=tiny_t5(seed=1),
                     max_new_tokens=4)
     with pytest.raises(ValueError, match="tau_accept"):
-        ViaSDConfig(tau_accept=0.3, tau_escalate=0.6)
+        ViaSDConfig(mode="tiered", tau_accept=0.3, tau_escalate=0.6)
     with pytest.raises(ValueError, match="mode"):
         ViaSDConfig(mode="fast")
 
@@ -637,7 +638,7 @@ def test_only_blocks_the_slim_tier_may_verify_are_kept_within_its_backlog(pair, 
     ``max_slim_backlog`` when the slim tier may verify the block."""
     target, _ = pair
     monkeypatch.setattr(DraftPlanner, "keep_drafting", lambda self, confidences: True)
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), use_slim=slim_tier,
+    config = ViaSDConfig(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[2]), use_slim=slim_tier,
                          tier_switching="fixed", num_draft_tokens=5)  # fmt: skip
     out = viasd(target, prompt(0), config, max_new_tokens=40, assistant_model=target)
     longest = len(out.viasd_stats.drafted_at_position)
@@ -656,8 +657,8 @@ def test_the_drafter_processes_the_prompt_before_the_first_block(masks, hybrid):
                                                  with_kwargs=True)
     ids = prompt(5, length=24)
     extra = {"prompt_lookup_num_tokens": 3} if hybrid else {}
-    out = target.generate(ids, assistant_model=assistant, viasd_config=ViaSDConfig(routing_mask=masks[0], mode="lossless"),
-                          max_new_tokens=12, return_dict_in_generate=True, **GREEDY, **extra)
+    config = ViaSDConfig(routing_mask=masks[0], mode="lossless", plain_fallback=False)
+    out = target.generate(ids, assistant_model=assistant, viasd_config=config, max_new_tokens=12, return_dict_in_generate=True, **GREEDY, **extra)
     handle.remove()
     assert fed[0] == ids.shape[1], "the whole prompt, in one pass"
     assert max(fed[1:]) <= 2, "every drafting pass feeds the newest token (and the one before, after a rejection)"

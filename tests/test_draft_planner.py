@@ -147,7 +147,7 @@ def test_the_planner_is_remembered_across_calls_where_timings_may_steer_and_nowh
         target.generate(torch.tensor([[3, 17, 5, 9]]), assistant_model=drafter, viasd_config=config,
                         max_new_tokens=16, do_sample=do_sample, pad_token_id=0)
 
-    lossless = ViaSDConfig(mode="lossless", use_slim=False)
+    lossless = ViaSDConfig(mode="lossless", use_slim=False, plain_fallback=False)
     generate(lossless)
     (key, first), = memory.planners.items()
     evidence = planner_weight(first)

@@ -75,10 +75,10 @@ def test_the_drafter_context_is_a_validated_config_field_and_a_bench_lever():
     from viasd_hf.cli.args import tokens_or_none
 
     with pytest.raises(ValueError, match="drafter_context must be >= 1"):
-        ViaSDConfig(drafter_context=0)
+        ViaSDConfig(mode="tiered", drafter_context=0)
     with pytest.raises(TypeError, match="drafter_context must be an int or None"):
-        ViaSDConfig(drafter_context="256")
-    assert ViaSDConfig.from_dict(ViaSDConfig(drafter_context=64).to_dict()).drafter_context == 64
+        ViaSDConfig(mode="tiered", drafter_context="256")
+    assert ViaSDConfig.from_dict(ViaSDConfig(mode="tiered", drafter_context=64).to_dict()).drafter_context == 64
     assert MethodName.parse("viasd_lossless_hybrid_fullprompt").ablations == ("_fullprompt",)
     assert MethodSettings(drafter_context=32).drafting()["drafter_context"] == 32
     assert tokens_or_none("none") is None and tokens_or_none("12") == 12

@@ -29,7 +29,7 @@ def test_a_model_drafter_stops_drafting_at_an_end_token(pair, drafter_is_target)
     eos = free[6]
     ends_at = free.index(eos)
     expected = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    config = ViaSDConfig(use_slim=False, num_draft_tokens=12, draft_confidence_threshold=None, adaptive=False)
+    config = ViaSDConfig(mode="tiered", use_slim=False, num_draft_tokens=12, draft_confidence_threshold=None, adaptive=False)
     out = target.generate(ids, custom_generate=viasd_generate, assistant_model=drafter, viasd_config=config,
                           max_new_tokens=24, do_sample=False, eos_token_id=[eos, 1], pad_token_id=0,
                           return_dict_in_generate=True)

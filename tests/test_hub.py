@@ -285,7 +285,7 @@ def test_a_viasd_config_round_trips_through_the_hub(fake_hub, llama, monkeypatch
     loaded = ViaSDConfig.from_pretrained("viasd-test/config", endpoint=fake_hub.url)
     assert loaded == config and isinstance(loaded.routing_mask, RoutingMask)
 
-    tiered = ViaSDConfig(tau_accept=0.9, routing_mask="viasd-test/some-mask")
+    tiered = ViaSDConfig(mode="tiered", tau_accept=0.9, routing_mask="viasd-test/some-mask")
     tiered.push_to_hub("viasd-test/config", subfolder="tiered", endpoint=fake_hub.url, revision="dev")
     assert ViaSDConfig.from_pretrained("viasd-test/config", subfolder="tiered", revision="dev", endpoint=fake_hub.url) == tiered
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -297,13 +297,13 @@ def test_a_viasd_config_round_trips_through_the_hub(fake_hub, llama, monkeypatch
 def test_a_missing_or_invalid_viasd_config_is_named(fake_hub, tmp_path):
     with pytest.raises(FileNotFoundError, match="(?s)no ViaSD config at 'viasd-test/nope'.*repository not found"):
         ViaSDConfig.from_pretrained("viasd-test/nope", endpoint=fake_hub.url)
-    ViaSDConfig().push_to_hub("viasd-test/config", endpoint=fake_hub.url)
+    ViaSDConfig(mode="tiered").push_to_hub("viasd-test/config", endpoint=fake_hub.url)
     with pytest.raises(FileNotFoundError, match="viasd_config.json: no such file"):
         ViaSDConfig.from_pretrained("viasd-test/config", subfolder="elsewhere", endpoint=fake_hub.url)
     (tmp_path / "viasd_config.json").write_text('{"num_draft_tokens": 4, "speed": "max"}')
     with pytest.raises(ValueError, match=r"unknown ViaSDConfig fields \['speed'\]"):
         ViaSDConfig.from_pretrained(tmp_path)
-    config = ViaSDConfig()
+    config = ViaSDConfig(mode="tiered")
     config.tau_escalate = 0.9  # now above tau_accept: refused before anything is uploaded
     pushes = len(fake_hub.requests)
     with pytest.raises(ValueError, match="tau_accept"):
@@ -321,7 +321,7 @@ def test_generate_looks_the_default_mask_up_once(fake_hub, monkeypatch):
     monkeypatch.setenv(mask_repo.MASKS_REPO_ENV, REPO)
     use_as_default_endpoint(monkeypatch, fake_hub.url)  # generate uses the default endpoint
     ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
-    config = ViaSDConfig(tau_accept=0.0, tau_escalate=0.0, adaptive=False)
+    config = ViaSDConfig(mode="tiered", tau_accept=0.0, tau_escalate=0.0, adaptive=False)
 
     def generate():
         return model.generate(ids, custom_generate=viasd_generate, viasd_config=config, prompt_lookup_num_tokens=2,

@@ -21,8 +21,8 @@ def fresh_pair(kind: str = "llama"):
 
 
 CARRYING = {
-    "lossless": dict(mode="lossless"),  # the controller starts with the slim tier off in lossless mode
-    "two-tier": dict(use_slim=False),
+    "lossless": dict(mode="lossless", plain_fallback=False),  # the controller starts with the slim tier off in lossless mode
+    "two-tier": dict(mode="lossless", use_slim=False, plain_fallback=False),
     "tiered, slim tier off": dict(mode="tiered", use_slim=False),
 }
 
@@ -63,7 +63,7 @@ def test_the_full_model_prefills_where_the_slim_tier_or_a_self_drafter_reads_its
     ids = prompt(5, length=16)
     mask = RoutingMask.from_model(target, skip=[2])
     for config, extra in (
-        (ViaSDConfig(routing_mask=mask, adaptive=False), {"drafter": assistant}),
+        (ViaSDConfig(mode="tiered", routing_mask=mask, adaptive=False), {"drafter": assistant}),
         (ViaSDConfig(routing_mask=mask, self_draft_mask=RoutingMask.from_model(target, skip=[1, 2, 3]),
                      mode="lossless", use_slim=False), {}),
     ):
@@ -82,9 +82,9 @@ def test_the_carried_block_teaches_the_cost_model_acceptance_but_not_pass_costs(
     monkeypatch.setattr(TierController, "observe", lambda self, block: controller_blocks.append(1) or observe(self, block))
     target, assistant = fresh_pair()
     ids = prompt(6, length=40)
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless")
+    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", plain_fallback=False)
     stats = viasd(target, ids, config, drafter=assistant).viasd_stats
     assert stats.prefill_forwards == 0
-    assert len(verified_tokens) == len(controller_blocks) == stats.blocks - 1
+    assert len(verified_tokens) == len(controller_blocks) == stats.blocks - 1 - stats.plain_blocks
     assert max(verified_tokens) < ids.shape[1], "no verifying pass was priced with the prompt in it"
     assert sum(stats.accepted_at_position) == stats.accepted_tokens, "the first block's drafts were judged and counted"

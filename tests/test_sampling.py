@@ -269,7 +269,7 @@ def test_tiered_sampling_commits_the_cascade_mixture(models):
 def test_cascade_sampling_commits_the_mixture_of_drafter_and_full_model(models):
     """The two-model cascade baseline: π built from the drafter and the *full* model at lenience α."""
     target, drafter, _ = models
-    config = ViaSDConfig(use_slim=False, cascade_lenience=0.4)
+    config = ViaSDConfig(mode="tiered", use_slim=False, cascade_lenience=0.4)
     stats = []
     first = Counter(run(target, drafter, config, 2, seed, stats=stats)[0] for seed in range(N))
     p = next_probs(drafter, PROMPT)

@@ -108,8 +108,8 @@ PROCESSORS = {
 }
 # Every draft is accepted on raw probabilities (thresholds 0) unless the tier guards the processors.
 LENIENT = {
-    "slim tier": lambda mask: ViaSDConfig(routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False),
-    "cascade": lambda mask: ViaSDConfig(use_slim=False, cascade_lenience=0.999),
+    "slim tier": lambda mask: ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False),
+    "cascade": lambda mask: ViaSDConfig(mode="tiered", use_slim=False, cascade_lenience=0.999),
 }
 
 
@@ -148,7 +148,7 @@ def test_prompt_lookup_cuts_its_draft_before_a_forbidden_token():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_prompt_lookup_in_tiered_mode_respects_no_repeat_ngram_size(target, mask, seed):
-    config = ViaSDConfig(routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False)
+    config = ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False)
     out = viasd(target, repetitive_prompt(seed), config, max_new_tokens=16, prompt_lookup_num_tokens=4,
                 no_repeat_ngram_size=2)
     sequence = out.sequences[0].tolist()
@@ -161,7 +161,7 @@ def test_prompt_lookup_in_tiered_mode_respects_no_repeat_ngram_size(target, mask
 def test_prompt_lookup_in_tiered_mode_respects_bad_words(target, mask, do_sample):
     ids = repetitive_prompt(4)
     banned = [[int(ids[0, 2])], [int(ids[0, 3])]]  # the lookup copies these
-    config = ViaSDConfig(routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False)
+    config = ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False)
     torch.manual_seed(0)
     out = viasd(target, ids, config, max_new_tokens=16, prompt_lookup_num_tokens=4, bad_words_ids=banned,
                 do_sample=do_sample)
@@ -241,14 +241,14 @@ def test_output_logits_are_the_raw_logits_of_each_committed_token(target, mask, 
 @pytest.mark.parametrize("flag", ["output_attentions", "output_hidden_states"])
 def test_attentions_and_hidden_states_are_refused_not_returned_as_none(target, mask, flag):
     with pytest.raises(ValueError, match=flag):
-        viasd(target, prompt(0), ViaSDConfig(routing_mask=mask), prompt_lookup_num_tokens=3, **{flag: True})
+        viasd(target, prompt(0), ViaSDConfig(mode="tiered", routing_mask=mask), prompt_lookup_num_tokens=3, **{flag: True})
 
 
 # -- requests VIA-SD refuses, named as the user made them -----------------------------------------
 
 
 def test_beams_and_several_return_sequences_are_named_not_reported_as_a_batch(target, mask, assistant):
-    config = ViaSDConfig(routing_mask=mask)
+    config = ViaSDConfig(mode="tiered", routing_mask=mask)
     with pytest.raises(ValueError, match="num_beams=2"):
         viasd(target, prompt(0), config, drafter=assistant, num_beams=2)
     with pytest.raises(ValueError, match="num_return_sequences=3"):
@@ -262,7 +262,7 @@ def test_attention_mask_of_another_length_than_the_prompt_is_refused(target, mas
     if padded:
         attention_mask[0, :2] = 0
     with pytest.raises(ValueError, match=f"attention_mask has {width} positions but input_ids has 10 tokens"):
-        viasd(target, prompt(0), ViaSDConfig(routing_mask=mask), prompt_lookup_num_tokens=3,
+        viasd(target, prompt(0), ViaSDConfig(mode="tiered", routing_mask=mask), prompt_lookup_num_tokens=3,
               attention_mask=attention_mask)
 
 
@@ -276,7 +276,7 @@ def test_a_matching_left_padded_attention_mask_still_works(target, mask):
 
 
 def test_empty_prompt_and_inputs_embeds_only_get_a_clear_error(target, mask):
-    config = ViaSDConfig(routing_mask=mask)
+    config = ViaSDConfig(mode="tiered", routing_mask=mask)
     with pytest.raises(ValueError, match="at least one token"):
         viasd(target, torch.zeros((1, 0), dtype=torch.long), config, prompt_lookup_num_tokens=3)
     embeds = target.get_input_embeddings()(prompt(0))
@@ -310,7 +310,7 @@ def test_empty_prompt_and_inputs_embeds_only_get_a_clear_error(target, mask):
 def test_config_fields_are_checked_at_construction_and_again_at_generate(target, mask, field, value, error):
     with pytest.raises(error, match=field):
         ViaSDConfig(**{"routing_mask": mask, field: value})
-    config = ViaSDConfig(routing_mask=mask, adaptive=False)
+    config = ViaSDConfig(mode="tiered", routing_mask=mask, adaptive=False)
     setattr(config, field, value)  # changed after construction
     with pytest.raises(error, match=field):
         viasd(target, prompt(0), config, max_new_tokens=4, prompt_lookup_num_tokens=3)
@@ -325,7 +325,7 @@ def test_viasd_config_must_be_a_viasd_config(target, given):
 
 
 def test_config_file_with_a_wrong_type_names_the_field(tmp_path, mask):
-    ViaSDConfig(routing_mask=mask).save_pretrained(tmp_path)
+    ViaSDConfig(mode="tiered", routing_mask=mask).save_pretrained(tmp_path)
     path = tmp_path / "viasd_config.json"
     path.write_text(path.read_text().replace('"num_draft_tokens": 5', '"num_draft_tokens": "5"'))
     with pytest.raises(TypeError, match="num_draft_tokens"):

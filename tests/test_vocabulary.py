@@ -95,7 +95,7 @@ def decode(target, drafter, config, do_sample, prompt, max_new_tokens, heads=(No
 
 def test_tiered_drafts_and_slim_tokens_come_from_the_vocabulary(prompt_ids):
     target, drafter = tiny_causal_lm("llama"), tiny_causal_lm("llama", seed=3)
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[1, 4]), adaptive=False,
+    config = ViaSDConfig(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[1, 4]), adaptive=False,
                          tau_accept=0.3, tau_escalate=0.05)
     heads = (SubsetHead(drafter, EVEN), SubsetHead(target, EVEN))
     _, decoder = decode(target, drafter, config, False, prompt_ids, 40, heads)
@@ -108,7 +108,7 @@ def test_a_draft_outside_the_vocabulary_is_escalated_by_the_slim_tier(prompt_ids
     """With thresholds of 0 the slim tier accepts any draft, except one outside its vocabulary: that one goes up."""
     target = tiny_causal_lm("llama")
     mask = RoutingMask.from_model(target, skip=[1, 4])
-    config = ViaSDConfig(routing_mask=mask, tau_accept=0.0, tau_escalate=0.0)
+    config = ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0)
     outside, inside = 5, 4
     for head, draft, escalated in [(None, outside, False), (SubsetHead(target, EVEN), outside, True),
                                    (SubsetHead(target, EVEN), inside, False)]:
@@ -222,9 +222,9 @@ def test_vocabulary_validation_names_the_problem(tmp_path):
     with pytest.raises(DraftVocabularyError, match="not valid JSON"):
         DraftVocabulary.from_pretrained(tmp_path / "bad")
     with pytest.raises(TypeError, match="ViaSDConfig.vocabulary must be"):
-        ViaSDConfig(vocabulary=3)
+        ViaSDConfig(mode="tiered", vocabulary=3)
     with pytest.raises(ValueError, match="vocabulary_tiers may name"):
-        ViaSDConfig(vocabulary_tiers=("drafter", "full"))
+        ViaSDConfig(mode="tiered", vocabulary_tiers=("drafter", "full"))
 
 
 def test_round_trips_through_a_folder_and_a_viasd_config(tmp_path):
@@ -233,7 +233,7 @@ def test_round_trips_through_a_folder_and_a_viasd_config(tmp_path):
     path = vocabulary.save_pretrained(tmp_path / vocabulary.pair_folder)
     assert path == tmp_path / "tiny-random-llama" / "model-free" / "draft_vocabulary.json"
     assert DraftVocabulary.from_pretrained(path.parent) == vocabulary
-    config = ViaSDConfig(vocabulary=vocabulary, vocabulary_tiers=("slim",))
+    config = ViaSDConfig(mode="tiered", vocabulary=vocabulary, vocabulary_tiers=("slim",))
     config.save_pretrained(tmp_path / "config")
     assert ViaSDConfig.from_pretrained(tmp_path / "config") == config
 

@@ -43,6 +43,11 @@ class ViaSDConfig(HubMixin):
     a draft the full model finds within a factor ``1 − α`` of its favourite is kept. With
     ``use_slim=False`` this is the two-model cascade baseline ``viasd bench`` compares against.
 
+    ``mode``: ``"lossless"`` (the default, as HF assisted generation) lets the full model verify every
+    block, the slim tier only repairing drafts, so greedy output is ``generate``'s own and sampling draws
+    from the target's distribution; ``"tiered"`` is the paper's (``ViaSDConfig.paper()``): tokens the slim
+    tier accepts are final, so output may differ from ``generate``'s.
+
     ``tier_switching`` says how ``adaptive=True`` decides whether the slim tier runs. ``"measured"``:
     per block, on wall-clock timings remembered across calls on the model — fastest where the mask's
     offline prediction is wrong, but where that choice changes the output (tiered mode, sampling) the
@@ -77,6 +82,11 @@ class ViaSDConfig(HubMixin):
     choice at the position where it is likeliest to be needed, as a leaf beside the draft in the same
     pass (``viasd_hf.branching``); when the full model picks it, the block commits one token more.
     Output is unchanged: every committed token is still the full model's choice.
+
+    ``plain_fallback``: where ``tier_switching`` measures, blocks decode one token plainly, without a
+    draft, while speculating is measured slower on this machine, and speculation is probed now and then
+    (``viasd_hf.fallback``), so VIA-SD is not slower than plain decoding wherever speculation cannot pay.
+    ``False`` speculates on every block, for instance to study a drafter.
     """
 
     hub_filename = CONFIG_FILENAME
@@ -91,7 +101,7 @@ class ViaSDConfig(HubMixin):
     confidence: str = "ratio"
     tau_accept: float = 0.7
     tau_escalate: float = 0.5
-    mode: str = "tiered"
+    mode: str = "lossless"  # as HF assisted generation: greedy output is generate's own; "tiered": the paper's (lossy)
     adaptive: bool = True  # slim tier only while it pays (measured online); draft lengths from a cost model
     tier_switching: str = "auto"  # adaptive=True: "measured" (wall clock), "fixed" (reproducible) or "auto" (see above)
     max_slim_backlog: int = 16  # tokens committed on the slim tier's authority before the full model must catch up
@@ -101,6 +111,7 @@ class ViaSDConfig(HubMixin):
     vocabulary_tiers: tuple[str, ...] = VOCABULARY_TIERS  # the tiers that decode over the vocabulary
     drafter_context: int | None = None  # see above: the most prompt tokens an assistant drafter reads; None: all
     runner_up: bool = True  # greedy: the full pass also verifies the drafter's second choice (see above)
+    plain_fallback: bool = True  # decode plainly while speculation is measured slower (see above)
 
     def __post_init__(self) -> None:
         if isinstance(self.routing_mask, dict):
@@ -168,7 +179,7 @@ class ViaSDConfig(HubMixin):
                 raise _wrong_type(name, "an int", getattr(self, name))
         if self.drafter_context is not None and not is_int(self.drafter_context):
             raise _wrong_type("drafter_context", "an int or None", self.drafter_context)
-        for name in ("use_slim", "adaptive", "runner_up"):
+        for name in ("use_slim", "adaptive", "runner_up", "plain_fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise _wrong_type(name, "True or False", getattr(self, name))
         for name in ("tau_accept", "tau_escalate"):
@@ -202,9 +213,11 @@ class ViaSDConfig(HubMixin):
 
     @classmethod
     def paper(cls, **overrides: Any) -> ViaSDConfig:
-        """The paper's preset: α1 = 0.5, α2 = 0.3, i.e. τ_acc = 1 − α2, τ_esc = 1 − α1 (DESIGN §1), γ = 5."""
+        """The paper's preset: tiered mode (tokens the slim tier accepts are final, so output may differ from
+        ``generate``'s), α1 = 0.5, α2 = 0.3, i.e. τ_acc = 1 − α2, τ_esc = 1 − α1 (DESIGN §1), γ = 5."""
         alpha1, alpha2 = 0.5, 0.3
-        return cls(**{"tau_accept": 1 - alpha2, "tau_escalate": 1 - alpha1, "num_draft_tokens": 5} | overrides)
+        preset = {"mode": "tiered", "tau_accept": 1 - alpha2, "tau_escalate": 1 - alpha1, "num_draft_tokens": 5}
+        return cls(**preset | overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

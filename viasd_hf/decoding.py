@@ -9,7 +9,9 @@ One block, as in the paper:
 3. the tokens are committed one at a time, honouring stopping criteria and streamers as
    ``generate`` does, and the block is recorded (``ViaSDStats.record_block``).
 
-Whether the slim tier runs for a block is the controller's choice (``adaptive.py``), unless the
+Whether a block drafts at all is the speculation switch's choice (``fallback.py``): where speculation
+does not pay on this machine, blocks decode one token plainly, as ``generate`` does, and
+speculation is probed now and then. Whether the slim tier runs for a block is the controller's choice (``adaptive.py``), unless the
 tokens the slim tier committed without the full model (its backlog, DESIGN §4) would exceed
 ``max_slim_backlog``: then the full model catches up first. With a ``MaskSet``, which of its masks
 the slim tier runs is the mask chooser's choice (``mask_chooser.py``).
@@ -18,6 +20,7 @@ the slim tier runs is the mask chooser's choice (``mask_chooser.py``).
 from __future__ import annotations
 
 import time
+import warnings
 
 from torch import nn
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -30,6 +33,7 @@ from .branching import can_branch, runner_up
 from .config import ViaSDConfig
 from .draft_planner import DraftPlanner, MeasuredCosts, static_costs
 from .drafters import Drafter, SelfDrafter, model_drafter_of
+from .fallback import SpeculationSwitch, fallback_advice
 from .mask_chooser import MaskChoice
 from .mask_set import MaskSet
 from .masks import RoutingMask
@@ -94,15 +98,18 @@ class ViaSDDecoder:
         self.planner = None
         if config.adaptive:
             self.planner = draft_planner(model, self.planner_key, lambda: self._draft_planner(model, drafter, config, do_sample))
+        self.switch = self.planner.switch if self.planner is not None else None
+        self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
+        self.drafter_prefilled = False
         self.finished = False
 
     @staticmethod
     def _draft_planner(model: nn.Module, drafter: Drafter, config: ViaSDConfig, do_sample: bool) -> DraftPlanner:
         """Draft lengths planned from measured costs where timings may steer the output, else from weight sizes."""
-        costs = static_costs(model, drafter)
+        costs, switch = static_costs(model, drafter), None
         if measures_wall_clock(config.tier_switching, config.mode == "lossless", do_sample):
-            costs = MeasuredCosts(costs)
-        return DraftPlanner(costs, longest=max(3 * config.num_draft_tokens, LONGEST_TWO_TIER_DRAFT))
+            costs, switch = MeasuredCosts(costs), SpeculationSwitch() if config.plain_fallback else None
+        return DraftPlanner(costs, longest=max(3 * config.num_draft_tokens, LONGEST_TWO_TIER_DRAFT), switch=switch)
 
     def run(self, state: DecodingState) -> DecodingState:
         """Decode from ``state`` (the prompt, an empty cache) until a stopping criterion or the length limit.
@@ -125,6 +132,9 @@ class ViaSDDecoder:
             self.stats.slim_tier_verdict = self.controller.verdict()
         if self.chooser is not None:
             self.stats.mask_choice = self.chooser.report()
+        if self.switch is not None:
+            self.stats.speculation_switches = self.switch.switches[self._first_fallback_switch :]
+            self.stats.speculation_verdict = self.switch.verdict()
         if self.planner_key is not None:
             tier_memory(self.model).remember_planner(self.planner_key, self.planner)
         self.stats.seconds["total"] = time.perf_counter() - started
@@ -134,9 +144,8 @@ class ViaSDDecoder:
         """The drafter processes the prompt. The full model processes it in the first block's pass where that block
         is plain two-tier (``open``); otherwise it prefills the prompt but its last token, which opens the first block.
         Returns whether the first block carries the prompt."""
-        started = time.perf_counter()
-        passes = self.drafter.prefill(state.ids)
-        self.stats.record_draft(passes, time.perf_counter() - started)
+        if self.speculates():
+            self.prefill_drafter(state)
         if state.length <= 1:  # nothing before the token that opens the first block
             return False
         if self.first_block_is_two_tier():
@@ -146,6 +155,18 @@ class ViaSDDecoder:
         state.target_cache.keep(state.length - 1)
         self.stats.record_prefill(time.perf_counter() - started)
         return False
+
+    def prefill_drafter(self, state: DecodingState) -> None:
+        """The drafter reads what it has not read, before its first draft: the prompt, or, where decoding started
+        plainly, everything committed so far."""
+        started = time.perf_counter()
+        passes = self.drafter.prefill(state.ids)
+        self.stats.record_draft(passes, time.perf_counter() - started)
+        self.drafter_prefilled = True
+
+    def speculates(self) -> bool:
+        """Whether the next block drafts (``fallback.SpeculationSwitch``; always, where timings may not steer)."""
+        return self.switch is None or self.switch.speculates()
 
     def first_block_is_two_tier(self) -> bool:
         """Whether the first block may carry the prompt: no self-drafter drafts on the full model's prefill, and the
@@ -161,18 +182,26 @@ class ViaSDDecoder:
         It runs only where the block is plain two-tier anyway (``first_block_is_two_tier``), and without a leaf,
         which would need a mask over the whole prompt. What it cost, mostly the prompt, teaches neither the draft
         planner nor the tier controller; what it accepted does."""
-        draft, _ = self.draft(state, slim_may_run=False)
+        speculating = self.speculates()
+        draft = self.draft(state, slim_may_run=False)[0] if speculating else Draft([], [])
         block = two_tier(self.tiers, state, draft)
         self.commit(state, block)
         self.stats.record_block(block, drafted=len(draft.tokens), catch_up=False)
+        self.stats.plain_blocks += int(not speculating)
         if self.planner is not None:
             self.planner.observe(draft, block.judged, block.kept)
         if self.check_invariants:
             state.target_cache.check()
 
     def step(self, state: DecodingState) -> None:
-        """One block: draft, let a policy verify, commit, and tell the controller what it cost."""
+        """One block: draft, let a policy verify, commit, and tell the controllers what it cost; or, while speculation
+        does not pay, one plain token."""
+        if not self.speculates():
+            self.plain_step(state)
+            return
         started = time.perf_counter()
+        if not self.drafter_prefilled:
+            self.prefill_drafter(state)
         wants_slim = self.controller.use_slim() if self.controller is not None else True
         draft, drafting = self.draft(state, slim_may_run=self.tiers.slim is not None and wants_slim)
         slim_backlog = state.length - state.target_cache.length - 1
@@ -195,15 +224,40 @@ class ViaSDDecoder:
             self.planner.observe(draft, block.judged, block.kept)
             if isinstance(self.planner.costs, MeasuredCosts) and block.passes["full"]:
                 self.planner.costs.observe_verifying(block.seconds["full"], block.rows.fed)
+        seconds = time.perf_counter() - started
+        if self.switch is not None:
+            self.switch.observe(True, len(block.tokens), seconds)
+            if not self.switch.speculating:
+                self.advise_fallback()
         if self.controller is not None:
             charged_to_slim = wants_slim or slim_backlog > 0
-            seconds = time.perf_counter() - started
             self.controller.observe(block_cost(block, charged_to_slim, seconds, drafting, draft.forwards))
             self.stats.slim_on_blocks += int(wants_slim and not shadow)
             self.stats.slim_off_blocks += int(not wants_slim or shadow)
             self.stats.slim_shadow_blocks += int(shadow)
         if self.check_invariants:
             state.target_cache.check()
+
+    def plain_step(self, state: DecodingState) -> None:
+        """A block without a draft: one full pass gives one token, as ``generate`` decodes. Its seconds tell the
+        switch what plain decoding costs; the first switch to it says once why (``fallback_advice``)."""
+        started = time.perf_counter()
+        block = two_tier(self.tiers, state, Draft([], []))
+        self.commit(state, block)
+        self.stats.record_block(block, drafted=0, catch_up=False)
+        self.stats.plain_blocks += 1
+        self.switch.observe(False, len(block.tokens), time.perf_counter() - started)
+        if self.check_invariants:
+            state.target_cache.check()
+
+    def advise_fallback(self) -> None:
+        """Say once per model and drafter, with the measured numbers, that speculation does not pay here and why."""
+        if self.switch.advised:
+            return
+        self.switch.advised = True
+        costs = self.planner.costs
+        ratio = costs.verify_ratio() if isinstance(costs, MeasuredCosts) else None
+        warnings.warn(f"{fallback_advice(self.model, ratio)} ({self.switch.describe()})", stacklevel=2)
 
     def draft(self, state: DecodingState, slim_may_run: bool) -> tuple[Draft, float]:
         """The drafter's proposal, as long as the draft length allows and leaving room for the verifier's token,

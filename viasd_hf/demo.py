@@ -1,88 +1,198 @@
-"""``viasd demo``: VIA-SD on a built-in model pair next to plain greedy, measured in the same run."""
+"""``viasd demo``: is VIA-SD faster than what you have? Greedy, HF assisted generation and VIA-SD, side by side.
+
+Every method decodes the same few short prompts of different kinds with the same target, each
+warmed up first, the methods taking turns on each prompt so that a change of machine load falls on
+all of them alike. HF assisted generation runs twice: with the drafter as loaded (what a user has)
+and with the drafter in the form VIA-SD picks for this machine, so the comparison is fair both ways.
+VIA-SD runs with the default ``ViaSDConfig()`` (lossless: its output must be greedy's own).
+"""
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
-from .architectures import num_decoder_layers, protected_layers
 from .config import ViaSDConfig
 from .generation import enable_viasd
-from .masks import RoutingMask, RoutingMaskError
 from .models import load_pretrained
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
 SMALL_TARGET = "smollm2-135m-instruct"
+PROMPT_LOOKUP_TOKENS = 5
+DTYPES = ("auto", "float32", "bfloat16")
+
+PROMPTS = {  # short prompts of different kinds: speculation pays differently on each
+    "code": "Write a Python function that checks whether a string is a palindrome.",
+    "edit": "Fix the bug in this function and return the corrected code:\n\ndef mean(xs):\n    return sum(xs) / len(xs) + 1",
+    "explain": "Explain in three sentences what a hash table is.",
+    "rewrite": "Rewrite in plain words: The committee has resolved to defer its decision pending further consultation.",
+}
 
 
-def light_middle_mask(model: nn.Module, budget: float = 0.1) -> list[int]:
-    """Evenly spaced early-middle layers: the fallback when no searched mask exists for a pair.
+@dataclass
+class Row:
+    """One method's run over every prompt."""
 
-    DESIGN §9: on the 1.5B target, single layers in the first half cost least when skipped.
-    """
-    count = num_decoder_layers(model)
-    candidates = [layer for layer in range(2, count // 2 + 1) if layer not in protected_layers(model)]
-    wanted = max(1, round(budget * count))
-    step = len(candidates) / wanted
-    return [candidates[int(i * step)] for i in range(wanted)]
+    method: str
+    tokens: int = 0
+    seconds: float = 0.0
+    identical: bool = True  # every prompt's output token-identical to greedy's
+    outputs: dict[str, list[int]] = field(default_factory=dict)
 
-
-def demo_mask(model: nn.Module, target: str, drafter: str) -> tuple[RoutingMask, str]:
-    """The mask for the pair from the user cache or ``hub_masks/`` (no network), else a light fallback."""
-    try:
-        mask = RoutingMask.from_pretrained((target, drafter), local_files_only=True)
-        mask.validate_for(model)
-        return mask, f"searched mask for ({target}, {drafter})"
-    except RoutingMaskError:
-        mask = RoutingMask.from_model(model, skip=light_middle_mask(model), drafter_id=drafter)
-        return mask, "fallback mask (no searched mask found for this pair; run `viasd search`)"
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def _timed(generate) -> tuple[object, float]:
+@dataclass
+class DemoReport:
+    target: str
+    drafter: str
+    precision: dict[str, str]  # role -> the form it ran in and why
+    rows: list[Row]
+    max_new_tokens: int
+    threads: int
+
+    def ratio(self, method: str, baseline: str) -> float:
+        rates = {row.method: row.tokens_per_second for row in self.rows}
+        return rates[method] / rates[baseline] if rates.get(baseline) else float("nan")
+
+    def baselines(self) -> list[str]:
+        return [row.method for row in self.rows if row.method != "VIA-SD"]
+
+    def table(self) -> str:
+        baselines = self.baselines()
+        header = f"{'method':<34} {'tokens/s':>9} " + " ".join(f"{'vs ' + b:>{max(9, len(b) + 3)}}" for b in baselines)
+        lines = [header + "  identical to greedy", "-" * (len(header) + 21)]
+        for row in self.rows:
+            ratios = " ".join(f"{self.ratio(row.method, b):>{max(9, len(b) + 3)}.2f}" for b in baselines)
+            lines.append(f"{row.method:<34} {row.tokens_per_second:>9.2f} {ratios}  {'yes' if row.identical else 'NO'}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        methods = {}
+        for row in self.rows:
+            methods[row.method] = {
+                "tokens": row.tokens, "seconds": row.seconds, "tokens_per_second": row.tokens_per_second,
+                "identical_to_greedy": row.identical,
+                "ratio": {baseline: self.ratio(row.method, baseline) for baseline in self.baselines()},
+            }  # fmt: skip
+        return {"target": self.target, "drafter": self.drafter, "precision": self.precision,
+                "max_new_tokens": self.max_new_tokens, "threads": self.threads, "prompts": list(PROMPTS),
+                "methods": methods}  # fmt: skip
+
+
+def check_arguments(max_new_tokens: int, dtype: str | None, json_path: str | None) -> None:
+    """Refuse bad arguments before anything loads, rather than after minutes of decoding."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if json_path is not None and not Path(json_path).resolve().parent.is_dir():
+        raise ValueError(f"cannot write {json_path}: its folder does not exist")
+
+
+def encode(tokenizer, prompt: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]  # fmt: skip
+
+
+def timed_new_tokens(generate, ids: torch.Tensor) -> tuple[list[int], float]:
     started = time.perf_counter()
-    output = generate()
-    return output, time.perf_counter() - started
+    with torch.no_grad():
+        sequences = generate(ids)
+    return sequences[0, ids.shape[1] :].tolist(), time.perf_counter() - started
+
+
+def run_methods(methods: dict[str, object], prompts: dict[str, torch.Tensor], max_new_tokens: int) -> list[Row]:
+    """Warm every method up, then time each on every prompt, the methods taking turns prompt by prompt."""
+    first = next(iter(prompts.values()))
+    for generate in tqdm(methods.values(), desc="warm-up", leave=False):
+        timed_new_tokens(lambda ids: generate(ids, min(16, max_new_tokens)), first)
+    rows = {name: Row(name) for name in methods}
+    with tqdm(total=len(prompts) * len(methods), desc="timing") as progress:
+        for kind, ids in prompts.items():
+            for name, generate in methods.items():
+                progress.set_postfix_str(f"{kind}: {name}")
+                tokens, seconds = timed_new_tokens(lambda ids: generate(ids, max_new_tokens), ids)
+                rows[name].tokens += len(tokens)
+                rows[name].seconds += seconds
+                rows[name].outputs[kind] = tokens
+                progress.update()
+    greedy = rows["greedy"].outputs
+    for row in rows.values():
+        row.identical = all(row.outputs[kind] == greedy[kind] for kind in prompts)
+    return list(rows.values())
+
+
+def demo_methods(target: nn.Module, drafting: dict[str, dict], config: ViaSDConfig) -> dict[str, object]:
+    """``name -> generate(ids, max_new_tokens)``: greedy, each HF assisted form in ``drafting``, and VIA-SD with the
+    first of them (as the user loaded it: VIA-SD picks the drafter's form itself)."""
+    common = {"do_sample": False, "pad_token_id": target.generation_config.eos_token_id}
+
+    def method(**extra):
+        return lambda ids, tokens: target.generate(ids, max_new_tokens=tokens, **common, **extra)
+
+    methods = {"greedy": method()}
+    methods.update({name: method(**kwargs) for name, kwargs in drafting.items()})
+    methods["VIA-SD"] = method(viasd_config=config, **next(iter(drafting.values())))
+    return methods
 
 
 def run_demo(
     small: bool = False,
     target_name: str | None = None,
     drafter_name: str | None = None,
-    prompt: str = "Write a Python function that reverses a string.",
     max_new_tokens: int = 64,
     dtype: str | None = None,
-) -> None:
+    json_path: str | None = None,
+) -> DemoReport:
+    check_arguments(max_new_tokens, dtype, json_path)
     target_name = target_name or (SMALL_TARGET if small else DEFAULT_TARGET)
     drafter_name = drafter_name or (None if small else DEFAULT_DRAFTER)
-    dtype = dtype or ("float32" if small else "bfloat16")
-    print(f"loading {target_name} ({dtype}) ...", flush=True)
-    model, tokenizer = load_pretrained(target_name, dtype=dtype)
-    enable_viasd(model)
-    drafting: dict[str, object] = {"prompt_lookup_num_tokens": 5}
+    dtype = dtype or "auto"
+    print(f"loading {target_name} (dtype {dtype}) ...", flush=True)
+    target, tokenizer = load_pretrained(target_name, dtype=dtype)
+    enable_viasd(target)
+    precision = {"target": f"{str(target.dtype).removeprefix('torch.')} ({precision_reason(target, dtype)})"}
     if drafter_name:
-        print(f"loading drafter {drafter_name} ({dtype}) ...", flush=True)
-        drafting = {"assistant_model": load_pretrained(drafter_name, dtype=dtype)[0]}
-    mask, provenance = demo_mask(model, target_name, drafter_name or "self")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
-    common = {"max_new_tokens": max_new_tokens, "do_sample": False}
-    with torch.no_grad():
-        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
-        greedy, greedy_seconds = _timed(lambda: model.generate(ids, **common))
-        viasd, viasd_seconds = _timed(lambda: model.generate(
-            ids, viasd_config=ViaSDConfig.paper(routing_mask=mask), return_dict_in_generate=True, **drafting, **common
-        ))
-    generated = viasd.sequences[0, ids.shape[1]:]
-    reference = greedy[0, ids.shape[1]:]
-    agreement = sum(int(a == b) for a, b in zip(generated.tolist(), reference.tolist())) / max(1, len(reference))
-    print(tokenizer.decode(generated, skip_special_tokens=True))
-    print(f"\n[mask] {provenance}: skips {mask.skipped_layers} of {mask.num_layers} layers ({mask.skip_ratio:.0%})")
-    print(f"[viasd] {viasd.viasd_stats.summary()}")
-    print(
-        f"[speed] greedy {len(reference) / greedy_seconds:.2f} tokens/s, VIA-SD {len(generated) / viasd_seconds:.2f} "
-        f"tokens/s: {greedy_seconds / viasd_seconds * len(generated) / max(1, len(reference)):.2f}x greedy "
-        f"(same run); token agreement with greedy {agreement:.0%}"
-    )
+        print(f"loading drafter {drafter_name} (as the target: {target.dtype}) ...", flush=True)
+        drafter = load_pretrained(drafter_name, dtype=target.dtype)[0]
+        fast, why = machine_drafter(target, drafter)
+        precision["drafter"] = why
+        drafting = {"HF assisted (drafter as loaded)": {"assistant_model": drafter}}
+        if fast is not drafter:
+            drafting["HF assisted (VIA-SD's drafter form)"] = {"assistant_model": fast}
+    else:
+        drafting = {"HF prompt lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}}
+    prompts = {kind: encode(tokenizer, text) for kind, text in PROMPTS.items()}
+    rows = run_methods(demo_methods(target, drafting, ViaSDConfig()), prompts, max_new_tokens)
+    report = DemoReport(target_name, drafter_name or "prompt lookup", precision, rows, max_new_tokens,
+                        torch.get_num_threads())  # fmt: skip
+    print_report(report, tokenizer)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        print(f"[json] {json_path}")
+    return report
+
+
+def print_report(report: DemoReport, tokenizer) -> None:
+    viasd = next(row for row in report.rows if row.method == "VIA-SD")
+    print(f"\n[{next(iter(PROMPTS))}] {tokenizer.decode(viasd.outputs[next(iter(PROMPTS))], skip_special_tokens=True)}\n")
+    for role, form in report.precision.items():
+        print(f"[precision] {role}: {form}")
+    print(f"[setup] {len(PROMPTS)} prompts ({', '.join(PROMPTS)}) x {report.max_new_tokens} new tokens, greedy, "
+          f"{report.threads} threads; every method warmed up, methods taking turns per prompt\n")  # fmt: skip
+    print(report.table())
+    best = max(report.baselines(), key=lambda name: next(r for r in report.rows if r.method == name).tokens_per_second)
+    verdict = "faster" if report.ratio("VIA-SD", best) > 1 else "not faster"
+    print(f"\n[verdict] VIA-SD is {verdict} than the best alternative here ({best}): "
+          f"{report.ratio('VIA-SD', best):.2f}x, {report.ratio('VIA-SD', 'greedy'):.2f}x greedy")  # fmt: skip

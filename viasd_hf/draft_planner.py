@@ -23,7 +23,8 @@ on recorded Spec-Bench, HumanEval and XSum traces, the last confidence drafts lo
 4–14 % faster.) So a cheap drafter drafts longer,
 a confident one too, and a draft the drafter is unsure of ends the block (HF's confidence stop,
 with the threshold derived instead of fixed at 0.4). The first token is always drafted, so the
-calibration keeps learning.
+calibration keeps learning; whether a block drafts at all is measured, not planned
+(``fallback.SpeculationSwitch``: where costs are measured, plain decoding whenever it is faster).
 
 Where the costs come from (``PassCosts``): measured on the fly (``MeasuredCosts``: running
 estimates from every block's timings, starting from the static guess), or, where timings must not
@@ -44,6 +45,7 @@ from torch import nn
 from .accept import Draft
 from .architectures import decoder_layers
 from .drafters import AssistantDrafter, Drafter, SelfDrafter, model_drafter_of
+from .fallback import SpeculationSwitch
 from .masks import RoutingMask
 
 PER_TOKEN_SHARE = 0.03  # b / a before it is measured: a 6-token pass costs ~1.15x a 1-token pass on CPU
@@ -198,14 +200,21 @@ class MeasuredCosts:
         fit = self._fit()
         return fit[1] if fit is not None else self.static.verify_per_token()
 
+    def verify_ratio(self, tokens: int = 6) -> float | None:
+        """What a verifying pass over ``tokens`` tokens costs relative to a one-token pass, once measured."""
+        fit = self._fit()
+        return (fit[0] + fit[1] * tokens) / (fit[0] + fit[1]) if fit is not None else None
+
 
 @dataclass
 class DraftPlanner:
-    """Decides, after each drafted token, whether to draft another (see the module docstring)."""
+    """Decides, after each drafted token, whether to draft another (see the module docstring), and, where costs are
+    measured, whether a block drafts at all (``switch``: plain decoding when speculation does not pay)."""
 
     costs: StaticCosts | MeasuredCosts
     longest: int
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    switch: SpeculationSwitch | None = None
 
     def keep_drafting(self, confidences: list[float]) -> bool:
         drafted = len(confidences)

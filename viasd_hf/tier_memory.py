@@ -146,7 +146,7 @@ def planner_key(
         return None
     slim_layers = tuple(slim_mask.kept_layers) if slim_mask is not None else None
     return (drafter_key, slim_layers, config.mode, config.num_draft_tokens, config.max_slim_backlog, config.confidence,
-            config.tau_accept, config.tau_escalate, config.cascade_lenience, do_sample)
+            config.tau_accept, config.tau_escalate, config.cascade_lenience, config.plain_fallback, do_sample)
 
 
 def draft_planner(model: nn.Module, key: Hashable | None, new: Callable[[], DraftPlanner]) -> DraftPlanner:

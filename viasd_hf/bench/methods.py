@@ -44,6 +44,7 @@ ABLATIONS = {
     "_sdpa": "the model's own attention kernel in every pass, none measured faster (attention='model')",
     "_fullprompt": "the drafter reads the whole prompt (drafter_context=None)",
     "_norunnerup": "no runner-up leaf beside greedy drafts (runner_up=False)",
+    "_nofallback": "speculate on every block, never falling back to plain decoding (plain_fallback=False)",
 }
 OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set")
 
@@ -231,6 +232,8 @@ class MethodTable:
             config = replace(config, drafter_context=None)
         if "_norunnerup" in method.ablations:
             config = replace(config, runner_up=False)
+        if "_nofallback" in method.ablations:
+            config = replace(config, plain_fallback=False)
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
         return _viasd_method(self.target, config, drafter, **extra)
 
@@ -253,7 +256,8 @@ class MethodTable:
         if name == "self_spec":
             return ViaSDConfig(use_slim=False, self_draft_mask=self.self_draft_mask, **drafting), None
         if name == "cascade":
-            return ViaSDConfig(use_slim=False, cascade_lenience=self.settings.cascade_lenience, **drafting), self.drafter
+            return ViaSDConfig(mode="tiered", use_slim=False, cascade_lenience=self.settings.cascade_lenience,
+                               **drafting), self.drafter
         if name == "two_tier":
             return ViaSDConfig(use_slim=False, **drafting), self.drafter
         if name in ("viasd", "viasd_mask_set"):
@@ -261,4 +265,4 @@ class MethodTable:
             # default ("fixed" for tiered mode) trades that for reproducible output
             mask = self.mask_set if name == "viasd_mask_set" else self.mask
             return ViaSDConfig.paper(routing_mask=mask, tier_switching="measured", **drafting), self.drafter
-        return ViaSDConfig(routing_mask=self.mask, mode="lossless", **drafting), self.drafter
+        return ViaSDConfig(routing_mask=self.mask, **drafting), self.drafter

@@ -1,25 +1,31 @@
-"""``viasd demo``: VIA-SD on a built-in model pair next to plain greedy, in one run."""
+"""``viasd demo``: greedy, HF assisted generation and VIA-SD on a built-in model pair, side by side in one run."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from ..demo import run_demo
+from ..demo import DTYPES, run_demo
+from .args import UsageError, positive_int
 
 
 def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     """Register ``viasd demo``."""
-    demo = subparsers.add_parser("demo", help="VIA-SD on a built-in model pair next to plain greedy, in one run")
+    demo = subparsers.add_parser("demo", help="is VIA-SD faster here? greedy, HF assisted generation and VIA-SD, "
+                                              "side by side on a built-in model pair")  # fmt: skip
     demo.add_argument("--small", action="store_true", help="SmolLM2-135M-Instruct with prompt lookup (seconds, not minutes)")
     demo.add_argument("--target", help="zoo name, Hub id or local folder (default: Qwen2.5-Coder-1.5B-Instruct)")
     demo.add_argument("--drafter", help="assistant model (default: Qwen2.5-Coder-0.5B-Instruct; none with --small)")
-    demo.add_argument("--prompt", default="Write a Python function that reverses a string.")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16, float32 with --small)")
+    demo.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens per prompt (default: 64)")
+    demo.add_argument("--dtype", choices=DTYPES, default="auto",
+                      help="the target's precision (default: auto, the faster of float32 and bf16 measured here)")
+    demo.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     demo.set_defaults(handler=run_demo_command)
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
-    run_demo(small=args.small, target_name=args.target, drafter_name=args.drafter, prompt=args.prompt,
-             max_new_tokens=args.max_new_tokens, dtype=args.dtype)  # fmt: skip
+    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
+        raise UsageError(f"--json {args.json}: its folder does not exist")
+    run_demo(small=args.small, target_name=args.target, drafter_name=args.drafter, max_new_tokens=args.max_new_tokens,
+             dtype=args.dtype, json_path=args.json)  # fmt: skip
     return 0

@@ -1,0 +1,148 @@
+"""The floor under speculation: plain one-token decoding whenever speculating is measured slower.
+
+The switch is tested on synthetic timings (no clock), and the decoder on tiny models with a drafter
+made 50 ms slower per pass than the whole target pass, so the decision cannot depend on how busy the
+machine is.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+from conftest import assert_stats_consistent, tiny_causal_lm
+from viasd_hf import ViaSDConfig, enable_viasd
+from viasd_hf.fallback import SpeculationSwitch, fallback_advice
+from viasd_hf.probing import ProbeSchedule
+
+
+def run(switch: SpeculationSwitch, blocks: int, speculative_rate: float, plain_rate: float) -> list[bool]:
+    """Feed ``blocks`` blocks: a speculative block commits 3 tokens, a plain one 1, at the given tokens/s."""
+    regimes = []
+    for _ in range(blocks):
+        speculated = switch.speculates()
+        tokens = 3 if speculated else 1
+        switch.observe(speculated, tokens, tokens / (speculative_rate if speculated else plain_rate))
+        regimes.append(speculated)
+    return regimes
+
+
+def test_a_switch_falls_back_when_plain_decoding_is_faster_and_probes_ever_more_rarely():
+    switch = SpeculationSwitch()
+    regimes = run(switch, 400, speculative_rate=8.0, plain_rate=10.0)
+    assert not switch.speculating
+    assert switch.switches[0]["regime"] == "plain" and "10.00 tokens/s" in switch.switches[0]["reason"]
+    assert regimes[:2] == [True, True], "speculation runs first"
+    late, early = regimes[200:], regimes[10:60]
+    assert sum(late) / len(late) < sum(early) / len(early), "probes of speculation back off while they confirm"
+    assert sum(regimes) < 0.1 * len(regimes)
+
+
+def test_a_switch_keeps_speculating_while_it_pays():
+    switch = SpeculationSwitch()
+    regimes = run(switch, 300, speculative_rate=12.0, plain_rate=10.0)
+    assert switch.speculating and not switch.switches
+    assert sum(not regime for regime in regimes) <= 4 * 6, "only probes of plain decoding, backing off"
+
+
+def test_a_switch_resumes_speculation_when_it_starts_paying():
+    switch = SpeculationSwitch()
+    run(switch, 50, speculative_rate=8.0, plain_rate=10.0)
+    assert not switch.speculating
+    run(switch, 200, speculative_rate=20.0, plain_rate=10.0)
+    assert switch.speculating
+    assert [change["regime"] for change in switch.switches] == ["plain", "speculating"]
+
+
+def test_a_probe_schedule_doubles_while_probes_confirm_and_resets_on_a_switch():
+    schedule = ProbeSchedule(first=2, every=4, longest=16)
+    assert not schedule.due(1) and schedule.due(2)
+    schedule.confirmed(10)
+    assert schedule.interval == 8 and schedule.due_at == 18
+    schedule.confirmed(18)
+    schedule.confirmed(34)
+    assert schedule.interval == 16
+    schedule.switched(40)
+    assert schedule.interval == 4 and schedule.due_at == 44
+
+
+class SlowForward(torch.nn.Module):
+    """Wraps a model's forward with a fixed delay, as a drafter far too slow for the target would be."""
+
+    def __init__(self, model: torch.nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.handle = model.register_forward_pre_hook(lambda *_: time.sleep(self.seconds))
+
+
+@pytest.fixture
+def pair():
+    target = tiny_causal_lm("llama", seed=0)
+    drafter = tiny_causal_lm("llama", seed=0)  # the same weights: every draft is accepted
+    enable_viasd(target)
+    return target, drafter
+
+
+def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_output(pair, prompt_ids, single_thread):
+    target, drafter = pair
+    SlowForward(drafter, 0.05)
+    expected = target.generate(prompt_ids, max_new_tokens=60, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=ViaSDConfig(mode="lossless", use_slim=False),
+                              max_new_tokens=60, do_sample=False, return_dict_in_generate=True)  # fmt: skip
+    stats = out.viasd_stats
+    assert torch.equal(out.sequences, expected)
+    assert stats.plain_blocks > stats.blocks / 2
+    assert stats.speculation_switches[0]["regime"] == "plain"
+    assert stats.speculation_verdict.startswith("plain decoding")
+    assert any("speculation does not pay" in str(warning.message) for warning in caught)
+    assert_stats_consistent(stats, 60, "lossless")
+
+
+def test_a_reproducible_call_never_falls_back(pair, prompt_ids, single_thread):
+    """Where timings may not steer a call (``tier_switching="fixed"``), every block drafts, however slow the drafter."""
+    target, drafter = pair
+    SlowForward(drafter, 0.01)
+    config = ViaSDConfig(mode="lossless", use_slim=False, tier_switching="fixed")
+    out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=20, do_sample=False,
+                          return_dict_in_generate=True)  # fmt: skip
+    assert out.viasd_stats.plain_blocks == 0 and out.viasd_stats.speculation_verdict is None
+
+
+def test_the_switch_is_remembered_so_the_next_call_starts_plain(pair, prompt_ids, single_thread):
+    """A remembered fallback also skips the drafter's prefill: the drafter reads nothing until a probe needs it."""
+    target, drafter = pair
+    SlowForward(drafter, 0.05)
+    config = ViaSDConfig(mode="lossless", use_slim=False)
+    target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=100, do_sample=False)
+    out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=8, do_sample=False,
+                          return_dict_in_generate=True)  # fmt: skip
+    assert out.viasd_stats.plain_blocks == out.viasd_stats.blocks == 8
+    assert out.viasd_stats.drafter_forwards == 0
+
+
+def test_the_advice_names_emulated_bf16_only_for_a_bf16_model():
+    model = tiny_causal_lm("llama", seed=0)
+    assert "float32" not in fallback_advice(model, 4.6)
+    assert "4.6x a one-token pass" in fallback_advice(model, 4.6)
+
+
+def test_the_advice_says_what_to_do_where_bf16_is_emulated(monkeypatch):
+    model = tiny_causal_lm("llama", seed=0, dtype=torch.bfloat16)
+    monkeypatch.setattr("viasd_hf.fallback.has_native_bf16", lambda: False)
+    assert "load the target in float32" in fallback_advice(model, 4.6)
+
+
+def test_plain_fallback_off_speculates_on_every_block(pair, prompt_ids, single_thread):
+    target, drafter = pair
+    SlowForward(drafter, 0.01)
+    config = ViaSDConfig(mode="lossless", use_slim=False, plain_fallback=False)
+    out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=20, do_sample=False,
+                          return_dict_in_generate=True)  # fmt: skip
+    assert out.viasd_stats.plain_blocks == 0 and out.viasd_stats.drafted_tokens > 0
+    with pytest.raises(TypeError, match="plain_fallback must be True or False"):
+        ViaSDConfig(plain_fallback=1)
