@@ -286,6 +286,40 @@ def test_empty_prompt_and_inputs_embeds_only_get_a_clear_error(target, mask):
                             prompt_lookup_num_tokens=3, max_new_tokens=4, **GREEDY)
 
 
+DRAFTERS = {  # generate options, and the config's self-drafting mask, that pick each drafter
+    "assistant": lambda assistant, mask: ({"drafter": assistant}, None),
+    "hybrid": lambda assistant, mask: ({"drafter": assistant, "prompt_lookup_num_tokens": 3}, None),
+    "prompt lookup": lambda assistant, mask: ({"prompt_lookup_num_tokens": 3}, None),
+    "self-drafter": lambda assistant, mask: ({}, mask),
+}
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_classifier_free_guidance_is_refused_with_every_drafter(target, mask, assistant, drafter):
+    options, self_draft_mask = DRAFTERS[drafter](assistant, RoutingMask.from_model(target, skip=[1, 2, 3]))
+    config = ViaSDConfig(routing_mask=mask, mode="lossless", self_draft_mask=self_draft_mask)
+    with pytest.raises(ValueError, match=r"classifier-free guidance \(guidance_scale=1.5\).*drop guidance_scale"):
+        viasd(target, prompt(0), config, guidance_scale=1.5, **options)
+    assert viasd(target, prompt(0), config, max_new_tokens=4, guidance_scale=1.0, **options).viasd_stats.new_tokens == 4
+
+
+@pytest.mark.parametrize(("tokens", "error", "message"), [
+    (-2, ValueError, "must be >= 1 .*got -2"),
+    (0, ValueError, "must be >= 1 .*got 0"),
+    (2.5, TypeError, "must be a whole number .*got 2.5 \\(float\\)"),
+    ("3", TypeError, "must be a whole number .*got '3' \\(str\\)"),
+])
+def test_prompt_lookup_num_tokens_must_be_a_positive_int(target, mask, tokens, error, message):
+    repetitive = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # a lookup finds a match at once
+    with pytest.raises(error, match="prompt_lookup_num_tokens " + message):
+        viasd(target, repetitive, ViaSDConfig(routing_mask=mask), prompt_lookup_num_tokens=tokens)
+
+
+def test_assistant_early_exit_is_refused_not_ignored(target, mask, assistant):
+    with pytest.raises(ValueError, match=r"assistant_early_exit=2\).*ViaSDConfig\(self_draft_mask=\.\.\.\)"):
+        viasd(target, prompt(0), ViaSDConfig(routing_mask=mask), drafter=assistant, assistant_early_exit=2)
+
+
 # -- ViaSDConfig is checked when generate uses it -------------------------------------------------
 
 
