@@ -9,7 +9,7 @@ from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, Stop
 
 import viasd_hf.generation as generation
 from conftest import VOCAB, tiny_causal_lm
-from viasd_hf import RoutingMask, ViaSDConfig, viasd_generate
+from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
 from viasd_hf.accept import Draft
 from viasd_hf.drafters import PromptLookupDrafter
 from viasd_hf.tiers import forbidden
@@ -318,6 +318,15 @@ def test_prompt_lookup_num_tokens_must_be_a_positive_int(target, mask, tokens, e
 def test_assistant_early_exit_is_refused_not_ignored(target, mask, assistant):
     with pytest.raises(ValueError, match=r"assistant_early_exit=2\).*ViaSDConfig\(self_draft_mask=\.\.\.\)"):
         viasd(target, prompt(0), ViaSDConfig(routing_mask=mask), drafter=assistant, assistant_early_exit=2)
+
+
+def test_viasd_inside_a_users_routed_block_is_refused(target, mask):
+    config = ViaSDConfig(routing_mask=mask, mode="lossless")
+    with routed(target, RoutingMask.from_model(target, skip=[3, 4])):
+        with pytest.raises(ValueError, match=r"inside routed\(model, mask\), which skips decoder layers \[3, 4\]"):
+            viasd(target, prompt(0), config, prompt_lookup_num_tokens=3)
+    expected = target.generate(prompt(0), max_new_tokens=8, **GREEDY)
+    assert torch.equal(viasd(target, prompt(0), config, max_new_tokens=8, prompt_lookup_num_tokens=3).sequences, expected)
 
 
 # -- ViaSDConfig is checked when generate uses it -------------------------------------------------

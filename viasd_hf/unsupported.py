@@ -10,6 +10,7 @@ from transformers import GenerationConfig
 
 from .architectures import is_encoder_decoder, model_type
 from .checks import is_int
+from .routing import skipped_layers_here
 
 
 def check_supported(
@@ -21,8 +22,20 @@ def check_supported(
     ``num_beams`` and ``num_return_sequences``, which would otherwise look like a batch.
     """
     model_type(model)
+    check_not_routed(model)
     check_generation_config(generation_config)
     check_prompt(model, input_ids, model_kwargs)
+
+
+def check_not_routed(model: nn.Module) -> None:
+    """VIA-SD's full tier must be the full model: inside a user's ``routed()`` block it would be the slimmed one."""
+    skipped = skipped_layers_here(model)
+    if skipped:
+        raise ValueError(
+            f"VIA-SD was called inside routed(model, mask), which skips decoder layers {skipped}: its full-model tier "
+            "would run the slimmed model, so no output would be the full model's; call generate outside the "
+            "routed() block (VIA-SD routes its own slim tier, from ViaSDConfig.routing_mask)"
+        )
 
 
 def check_generation_config(generation_config: GenerationConfig) -> None:
