@@ -3,6 +3,8 @@ outputs get what ``generate`` gives them, and unsupported or malformed requests 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, StoppingCriteria, StoppingCriteriaList
@@ -373,3 +375,13 @@ def test_config_file_with_a_wrong_type_names_the_field(tmp_path, mask):
     path.write_text(path.read_text().replace('"num_draft_tokens": 5', '"num_draft_tokens": "5"'))
     with pytest.raises(TypeError, match="num_draft_tokens"):
         ViaSDConfig.from_pretrained(tmp_path)
+
+
+def test_a_config_with_paths_saves_them_as_strings(tmp_path, mask):
+    mask.save_pretrained(tmp_path / "mask")
+    config = ViaSDConfig(routing_mask=tmp_path / "mask", self_draft_mask=tmp_path / "mask", vocabulary=tmp_path / "vocab")
+    config.save_pretrained(tmp_path / "config")
+    saved = json.loads((tmp_path / "config" / "viasd_config.json").read_text())
+    assert saved["routing_mask"] == saved["self_draft_mask"] == str(tmp_path / "mask")
+    assert saved["vocabulary"] == str(tmp_path / "vocab")
+    assert ViaSDConfig.from_pretrained(tmp_path / "config").routing_mask == str(tmp_path / "mask")
