@@ -186,6 +186,16 @@ def test_a_set_is_checked_against_the_target_member_by_member(target, drafter, p
         MaskSet(masks.masks, default="nope")
 
 
+def test_renaming_the_default_is_checked_and_puts_it_first(target):
+    masks = two_masks(target)
+    with pytest.raises(RoutingMaskError, match=r"default 'nope' is not one of its members \['bad', 'good'\]"):
+        masks.default = "nope"
+    assert masks.default == "bad" and masks.default_mask is masks.masks["bad"]
+    masks.default = "good"
+    assert list(masks.masks) == ["good", "bad"] and masks.default_mask is masks.masks["good"]
+    assert masks == MaskSet(two_masks(target).masks, default="good")
+
+
 def test_a_set_saves_next_to_the_single_mask_and_rides_in_the_config(target, tmp_path):
     masks = MaskSet(two_masks(target).masks, default="good")
     masks.save_pretrained(tmp_path)

@@ -46,6 +46,7 @@ class MaskSet:
 
     ``masks`` is kept in one order whatever order it was given in: the default, then the others by
     name, so a set reads back from its files exactly as it was (the chooser probes in that order).
+    Renaming ``default`` later is checked, and reorders ``masks``, as construction does.
     """
 
     masks: dict[str, RoutingMask]
@@ -57,10 +58,7 @@ class MaskSet:
             raise RoutingMaskError("a mask set needs a non-empty dict of named routing masks, e.g. {'general': mask}")
         members = {name: _member(name, mask) for name, mask in self.masks.items()}
         self.default = self.default or next(iter(members))
-        if self.default not in members:
-            raise RoutingMaskError(f"the mask set's default {self.default!r} is not one of its members {list(members)}")
-        # one order however the set was written (JSON files sort their keys): the default, then by name
-        self.masks = {name: members[name] for name in [self.default, *sorted(set(members) - {self.default})]}
+        self.masks = _default_first(members, self.default)
         if not isinstance(self.schema_version, int) or self.schema_version > SCHEMA_VERSION:
             raise RoutingMaskError(f"mask set schema {self.schema_version!r} is not one this viasd_hf reads; upgrade viasd_hf")
         first_name, first = next(iter(self.masks.items()))
@@ -75,6 +73,12 @@ class MaskSet:
             twin = seen.setdefault(tuple(mask.kept_layers), name)
             if twin != name:
                 raise RoutingMaskError(f"mask set members {twin!r} and {name!r} keep the same layers; drop one")
+        self._built = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "default" and self.__dict__.get("_built"):
+            self.masks = _default_first(self.masks, value)
+        super().__setattr__(name, value)
 
     @property
     def default_mask(self) -> RoutingMask:
@@ -219,6 +223,13 @@ class MaskSet:
         operations.append(CommitOperationAdd(CARD_FILENAME, render_model_card(repo_id, records).encode()))
         stale = [path for path in files if path.startswith(f"{folder}/{MEMBERS_FOLDER}/") and path not in ours]
         return operations + [CommitOperationDelete(path) for path in stale]
+
+
+def _default_first(members: dict[str, RoutingMask], default: Any) -> dict[str, RoutingMask]:
+    """``members`` in a set's one order (JSON files sort their keys): ``default``, then the others by name."""
+    if not isinstance(default, str) or default not in members:
+        raise RoutingMaskError(f"the mask set's default {default!r} is not one of its members {list(members)}")
+    return {name: members[name] for name in [default, *sorted(set(members) - {default})]}
 
 
 def _member(name: Any, mask: Any) -> RoutingMask:
