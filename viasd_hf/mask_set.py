@@ -31,11 +31,18 @@ from .architectures import model_config
 from .hub_files import HUB_MISSES, Lookup, NotFoundError, commit, fetch, in_folder
 from .mask_cache import cached_mask
 from .mask_card import CARD_FILENAME, render_model_card
-from .mask_repo import MASK_FILENAME, MASK_SET_FILENAME, default_masks_repo, find_pair_file, pair_folder
+from .mask_repo import (
+    MASK_FILENAME,
+    MASK_SET_FILENAME,
+    MEMBERS_FOLDER,
+    default_masks_repo,
+    find_pair_file,
+    mask_set_files,
+    pair_folder,
+)
 from .masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError, check_pushable, mask_records
 
 SCHEMA_VERSION = 1
-MEMBERS_FOLDER = "masks"
 SINGLE_MEMBER = "default"  # the name a lone routing mask gets when it is read as a set
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 
@@ -219,9 +226,10 @@ class MaskSet:
         ours = {f"{folder}/{file}": self.masks[name] for name, file in self.files().items()}
         records = mask_records(api, repo_id, head, files) | {f"{folder}/{MASK_FILENAME}": self.default_mask.to_dict()}
         operations: list[CommitOperation] = [CommitOperationAdd(path, mask.to_json().encode()) for path, mask in ours.items()]
-        operations.append(CommitOperationAdd(f"{folder}/{MASK_SET_FILENAME}", self.index_json().encode()))
+        index = f"{folder}/{MASK_SET_FILENAME}"
+        operations.append(CommitOperationAdd(index, self.index_json().encode()))
         operations.append(CommitOperationAdd(CARD_FILENAME, render_model_card(repo_id, records).encode()))
-        stale = [path for path in files if path.startswith(f"{folder}/{MEMBERS_FOLDER}/") and path not in ours]
+        stale = [path for path in mask_set_files(files, folder) if path not in ours and path != index]
         return operations + [CommitOperationDelete(path) for path in stale]
 
 
