@@ -40,7 +40,14 @@ from .mask_repo import (
     mask_set_files,
     pair_folder,
 )
-from .masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError, check_pushable, mask_records
+from .masks import (
+    MALFORMED_MASK_ERRORS,
+    RoutingMask,
+    RoutingMaskError,
+    check_pushable,
+    mask_records,
+    search_log_operations,
+)
 
 SCHEMA_VERSION = 1
 SINGLE_MEMBER = "default"  # the name a lone routing mask gets when it is read as a set
@@ -192,6 +199,7 @@ class MaskSet:
         target_slug: str | None = None,
         drafter_slug: str | None = None,
         model: nn.Module | None = None,
+        search_log: bytes | None = None,
         commit_message: str | None = None,
         private: bool | None = None,
         token: str | bool | None = None,
@@ -201,27 +209,34 @@ class MaskSet:
     ) -> CommitInfo:
         """Publish the set in one commit to its pair's folder (as ``RoutingMask.push_to_hub`` places a mask).
 
-        The default member replaces the folder's ``routing_mask.json``; members of an earlier set
-        that this one lacks are removed; the repo's model card is regenerated. Every member is
-        checked as a pushed mask is (and against ``model`` when one is given).
+        The default member replaces the folder's ``routing_mask.json`` and ``search_log`` its search
+        log (or a stale log is removed, as a pushed mask does); members of an earlier set that this
+        one lacks are removed; the repo's model card is regenerated. Every member is checked as a
+        pushed mask is (``check_pushable``).
         """
         if subfolder is not None and (target_slug or drafter_slug):
             raise ValueError("pass either subfolder= or target_slug=/drafter_slug=, not both")
+        self.check_pushable(model)
+        default = self.default_mask
+        folder = (subfolder or "").strip("/") or pair_folder(target_slug or default.target_id, drafter_slug or default.drafter_id)
+        api = HfApi(endpoint=endpoint, token=token)
+        return commit(
+            api, repo_id, lambda head: self._repo_operations(api, repo_id, head, folder, search_log),
+            commit_message=commit_message or f"Add a set of {len(self.masks)} routing masks for {folder}",
+            revision=revision, private=private, create_repo=create_repo,
+        )  # fmt: skip
+
+    def check_pushable(self, model: nn.Module | None = None) -> None:
+        """Refuse a set with a member that a mask push would refuse (``masks.check_pushable``), naming it."""
         for name, mask in self.masks.items():
             try:
                 check_pushable(mask, model)
             except RoutingMaskError as error:
                 raise RoutingMaskError(f"mask set member {name!r}: {error}") from None
-        default = self.default_mask
-        folder = (subfolder or "").strip("/") or pair_folder(target_slug or default.target_id, drafter_slug or default.drafter_id)
-        api = HfApi(endpoint=endpoint, token=token)
-        return commit(
-            api, repo_id, lambda head: self._repo_operations(api, repo_id, head, folder),
-            commit_message=commit_message or f"Add a set of {len(self.masks)} routing masks for {folder}",
-            revision=revision, private=private, create_repo=create_repo,
-        )  # fmt: skip
 
-    def _repo_operations(self, api: HfApi, repo_id: str, head: str, folder: str) -> list[CommitOperation]:
+    def _repo_operations(
+        self, api: HfApi, repo_id: str, head: str, folder: str, search_log: bytes | None
+    ) -> list[CommitOperation]:
         files = api.list_repo_files(repo_id, revision=head)
         ours = {f"{folder}/{file}": self.masks[name] for name, file in self.files().items()}
         records = mask_records(api, repo_id, head, files) | {f"{folder}/{MASK_FILENAME}": self.default_mask.to_dict()}
@@ -230,7 +245,7 @@ class MaskSet:
         operations.append(CommitOperationAdd(index, self.index_json().encode()))
         operations.append(CommitOperationAdd(CARD_FILENAME, render_model_card(repo_id, records).encode()))
         stale = [path for path in mask_set_files(files, folder) if path not in ours and path != index]
-        return operations + [CommitOperationDelete(path) for path in stale]
+        return operations + search_log_operations(files, folder, search_log) + [CommitOperationDelete(path) for path in stale]
 
 
 def _default_first(members: dict[str, RoutingMask], default: Any) -> dict[str, RoutingMask]:

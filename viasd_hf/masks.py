@@ -328,12 +328,16 @@ class RoutingMask(HubMixin):
             CommitOperationAdd(path, self.to_json().encode()),
             CommitOperationAdd(CARD_FILENAME, render_model_card(repo_id, records).encode()),
         ]
-        log_path = f"{folder}/{SEARCH_LOG_FILENAME}"
-        if search_log is not None:
-            operations.append(CommitOperationAdd(log_path, search_log))
-        elif log_path in files:
-            operations.append(CommitOperationDelete(log_path))
-        return operations + [CommitOperationDelete(stale) for stale in mask_set_files(files, folder)]
+        stale_set = [CommitOperationDelete(stale) for stale in mask_set_files(files, folder)]
+        return operations + search_log_operations(files, folder, search_log) + stale_set
+
+
+def search_log_operations(files: list[str], folder: str, search_log: bytes | None) -> list[CommitOperation]:
+    """Upload ``search_log`` into ``folder``, or remove the log there: it told how the mask being replaced was found."""
+    path = f"{folder}/{SEARCH_LOG_FILENAME}"
+    if search_log is not None:
+        return [CommitOperationAdd(path, search_log)]
+    return [CommitOperationDelete(path)] if path in files else []
 
 
 def _remove_mask_set(directory: Path) -> None:
