@@ -156,6 +156,18 @@ def test_search_checks_its_arguments_before_loading_models(no_models, files, tmp
         run_cli([*ok, "--drafter", "self", "--skip-ratio", "0.2,0.3"])
 
 
+def test_vocab_checks_its_output_folder_before_loading_models(no_models, files, tmp_path):
+    ok = ["vocab", "--target", SMALL]
+    error = "viasd vocab: error: "
+    for out, message in [
+        (files["a-file"], f"--out {files['a-file']}: exists and is not a folder"),
+        (files["a-file"] / "vocabularies", f"--out {files['a-file'] / 'vocabularies'}: {files['a-file']} is a file"),
+    ]:
+        assert_refused([*ok, "--out", str(out)], error + message)
+    with pytest.raises(ModelLoaded):
+        run_cli([*ok, "--out", str(tmp_path / "new")])
+
+
 def test_the_cli_dtypes_are_those_the_loader_accepts():
     assert set(cli_args.DTYPES) == {*models._DTYPES, "auto"}
 
