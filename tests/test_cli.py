@@ -12,7 +12,7 @@ import pytest
 import transformers
 
 from conftest import tiny_causal_lm
-from viasd_hf import models
+from viasd_hf import RoutingMask, models
 from viasd_hf.bench.methods import Outcome
 from viasd_hf.bench.runner import MethodRuns, run_methods, summarise
 from viasd_hf.bench.tasks import Example
@@ -106,6 +106,17 @@ def test_bench_checks_its_arguments_before_loading_models(no_models, files, tmp_
         assert_refused([*ok, *argv], error + message)
     code, err = run_cli([*ok, *prompts, "--mask", str(tmp_path / "no-mask")])
     assert code == 2 and err.startswith(f"{error}--mask {tmp_path / 'no-mask'}: no routing mask at ")
+    deeper, gemma = tmp_path / "deeper-mask", tmp_path / "gemma-mask"
+    RoutingMask.from_model(tiny_causal_lm("llama", num_hidden_layers=8), skip=[3]).save_pretrained(deeper)
+    RoutingMask([0, 17], 18, "gemma3-270m", "0123456789abcdef").save_pretrained(gemma)
+    for argv, message in [  # a mask for another model, told from the target's config or zoo name
+        (["--target", str(files["model"]), "--mask", str(deeper)],
+         f"--mask {deeper}: this routing mask is for a 8-layer model (tiny-random-llama), but --target {files['model']} "
+         "has 6 decoder layers"),
+        (["--self-draft-mask", str(gemma)], f"--self-draft-mask {gemma}: this routing mask is for gemma3-270m, not "
+                                            f"--target {SMALL}"),
+    ]:
+        assert_refused([*ok, *prompts, *argv], error + message)
     with pytest.raises(ModelLoaded):  # and valid arguments get as far as loading the models
         run_cli([*ok, *prompts, "--limit", "1", "--json", str(tmp_path / "new" / "out.json"), "--plots", str(tmp_path / "p")])
 
@@ -154,6 +165,18 @@ def test_search_checks_its_arguments_before_loading_models(no_models, files, tmp
         assert_refused([*ok, *argv], error + message)
     with pytest.raises(ModelLoaded):
         run_cli([*ok, "--drafter", "self", "--skip-ratio", "0.2,0.3"])
+
+
+def test_vocab_checks_its_output_folder_before_loading_models(no_models, files, tmp_path):
+    ok = ["vocab", "--target", SMALL]
+    error = "viasd vocab: error: "
+    for out, message in [
+        (files["a-file"], f"--out {files['a-file']}: exists and is not a folder"),
+        (files["a-file"] / "vocabularies", f"--out {files['a-file'] / 'vocabularies'}: {files['a-file']} is a file"),
+    ]:
+        assert_refused([*ok, "--out", str(out)], error + message)
+    with pytest.raises(ModelLoaded):
+        run_cli([*ok, "--out", str(tmp_path / "new")])
 
 
 def test_the_cli_dtypes_are_those_the_loader_accepts():

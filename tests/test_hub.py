@@ -19,7 +19,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from conftest import tiny_causal_lm
 from hub_server import FakeHub, serve
-from viasd_hf import RoutingMask, RoutingMaskError, ViaSDConfig, hub_files, mask_repo, routed, viasd_generate
+from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, hub_files, mask_repo, routed, viasd_generate
 from viasd_hf.cli import main
 from viasd_hf.cli.hub import add_hub_commands
 from viasd_hf.generation import resolve_mask
@@ -445,6 +445,25 @@ def test_a_malformed_mask_in_the_repo_does_not_block_later_pushes(fake_hub, llam
         assert f"{name}/model-free" not in card
         assert any(f"leaving {name}/model-free/routing_mask.json out of the model card" in m for m in caplog.messages)
     assert RoutingMask.from_pretrained(("tiny-random-qwen2", "self"), repo_id=REPO, endpoint=fake_hub.url) == qwen
+
+
+def test_push_publishes_a_mask_set_folder_whole(fake_hub, llama, tmp_path):
+    masks = MaskSet({"general": llama_mask(llama), "code": llama_mask(llama, skip=[1])})
+    folder = tmp_path / "set"
+    masks.save_pretrained(folder)
+    (folder / mask_repo.SEARCH_LOG_FILENAME).write_text(json.dumps({"iteration": 0}) + "\n")
+    assert run_cli(["push", str(folder), "--repo-id", REPO, "--endpoint", fake_hub.url]) == (0, "")
+    assert MaskSet.from_pretrained(LLAMA, repo_id=REPO, endpoint=fake_hub.url) == masks
+    log = hf_hub_download(REPO, "tiny-random-llama/model-free/search_log.jsonl", endpoint=fake_hub.url)
+    assert Path(log).read_text() == (folder / mask_repo.SEARCH_LOG_FILENAME).read_text()
+
+    member = folder / "masks" / "code.json"
+    member.write_text(member.read_text().replace('"target_id": "tiny-random-llama"', '"target_id": ""'))
+    requests = len(fake_hub.requests)
+    code, err = run_cli(["push", str(folder), "--repo-id", REPO, "--endpoint", fake_hub.url])
+    assert code == 2 and err.startswith(f"viasd push: error: MASK_DIR {folder}: not a valid routing mask: mask set member "
+                                        "'code': the routing mask lacks the target's id"), err
+    assert len(fake_hub.requests) == requests
 
 
 # --------------------------------------------------------------------------- `viasd push` and `viasd pull` arguments

@@ -12,6 +12,7 @@ from huggingface_hub import HfApi, constants
 from conftest import assert_stats_consistent, tiny_causal_lm
 from hub_server import FakeHub, serve
 from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, hub_files, mask_repo, viasd_generate
+from viasd_hf.cli import main
 from viasd_hf.mask_cache import clear_mask_cache
 from viasd_hf.mask_chooser import MaskChoice, MaskChooser
 from viasd_hf.mask_set import resolve_slim_masks
@@ -186,6 +187,16 @@ def test_a_set_is_checked_against_the_target_member_by_member(target, drafter, p
         MaskSet(masks.masks, default="nope")
 
 
+def test_renaming_the_default_is_checked_and_puts_it_first(target):
+    masks = two_masks(target)
+    with pytest.raises(RoutingMaskError, match=r"default 'nope' is not one of its members \['bad', 'good'\]"):
+        masks.default = "nope"
+    assert masks.default == "bad" and masks.default_mask is masks.masks["bad"]
+    masks.default = "good"
+    assert list(masks.masks) == ["good", "bad"] and masks.default_mask is masks.masks["good"]
+    assert masks == MaskSet(two_masks(target).masks, default="good")
+
+
 def test_a_set_saves_next_to_the_single_mask_and_rides_in_the_config(target, tmp_path):
     masks = MaskSet(two_masks(target).masks, default="good")
     masks.save_pretrained(tmp_path)
@@ -202,6 +213,16 @@ def test_a_set_saves_next_to_the_single_mask_and_rides_in_the_config(target, tmp
     assert ViaSDConfig.from_pretrained(tmp_path / "config") == config
     with pytest.raises(TypeError, match="self_draft_mask must be a RoutingMask"):
         ViaSDConfig(mode="tiered", self_draft_mask=masks)
+
+
+def test_a_single_mask_saved_over_a_set_leaves_that_mask_alone(target, tmp_path):
+    two_masks(target).save_pretrained(tmp_path)
+    (tmp_path / "masks" / "notes.txt").write_text("the user's own")
+    single = RoutingMask.from_model(target, skip=[2])
+    single.save_pretrained(tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
+        "masks/notes.txt", "routing_mask.json"]
+    assert MaskSet.from_pretrained(tmp_path) == MaskSet({"default": single})
 
 
 # --------------------------------------------------------------------------- the set on the Hub test server
@@ -242,6 +263,21 @@ def test_a_set_round_trips_through_the_hub_and_is_found_for_its_pair(fake_hub, t
     smaller.push_to_hub(REPO, endpoint=fake_hub.url)
     assert f"{folder}/masks/good.json" not in HfApi(endpoint=fake_hub.url).list_repo_files(REPO)  # no stale members
     assert MaskSet.from_pretrained(pair, repo_id=REPO, endpoint=fake_hub.url) == smaller
+
+
+def test_a_single_mask_pushed_or_pulled_over_a_set_replaces_the_whole_set(fake_hub, target, tmp_path):
+    pair, folder = ("tiny-random-llama", "self"), "tiny-random-llama/model-free"
+    two_masks(target).push_to_hub(REPO, endpoint=fake_hub.url)
+    single = RoutingMask.from_model(target, skip=[2])
+    single.push_to_hub(REPO, endpoint=fake_hub.url)
+    files = HfApi(endpoint=fake_hub.url).list_repo_files(REPO)
+    assert [path for path in files if path.startswith(folder)] == [f"{folder}/routing_mask.json"]
+    assert MaskSet.from_pretrained(pair, repo_id=REPO, endpoint=fake_hub.url) == MaskSet({"default": single})
+
+    out = tmp_path / "pulled"
+    two_masks(target).save_pretrained(out)
+    assert main(["pull", "--target", pair[0], "--repo-id", REPO, "--endpoint", fake_hub.url, "--out", str(out)]) == 0
+    assert MaskSet.from_pretrained(out) == MaskSet({"default": single})
 
 
 def test_a_set_for_another_model_is_refused_on_push_and_on_use(fake_hub, target, tmp_path):

@@ -3,13 +3,15 @@ outputs get what ``generate`` gives them, and unsupported or malformed requests 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
 import viasd_hf.generation as generation
 from conftest import VOCAB, tiny_causal_lm
-from viasd_hf import RoutingMask, ViaSDConfig, viasd_generate
+from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
 from viasd_hf.accept import Draft
 from viasd_hf.drafters import PromptLookupDrafter
 from viasd_hf.tiers import forbidden
@@ -286,6 +288,49 @@ def test_empty_prompt_and_inputs_embeds_only_get_a_clear_error(target, mask):
                             prompt_lookup_num_tokens=3, max_new_tokens=4, **GREEDY)
 
 
+DRAFTERS = {  # generate options, and the config's self-drafting mask, that pick each drafter
+    "assistant": lambda assistant, mask: ({"drafter": assistant}, None),
+    "hybrid": lambda assistant, mask: ({"drafter": assistant, "prompt_lookup_num_tokens": 3}, None),
+    "prompt lookup": lambda assistant, mask: ({"prompt_lookup_num_tokens": 3}, None),
+    "self-drafter": lambda assistant, mask: ({}, mask),
+}
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_classifier_free_guidance_is_refused_with_every_drafter(target, mask, assistant, drafter):
+    options, self_draft_mask = DRAFTERS[drafter](assistant, RoutingMask.from_model(target, skip=[1, 2, 3]))
+    config = ViaSDConfig(routing_mask=mask, mode="lossless", self_draft_mask=self_draft_mask)
+    with pytest.raises(ValueError, match=r"classifier-free guidance \(guidance_scale=1.5\).*drop guidance_scale"):
+        viasd(target, prompt(0), config, guidance_scale=1.5, **options)
+    assert viasd(target, prompt(0), config, max_new_tokens=4, guidance_scale=1.0, **options).viasd_stats.new_tokens == 4
+
+
+@pytest.mark.parametrize(("tokens", "error", "message"), [
+    (-2, ValueError, "must be >= 1 .*got -2"),
+    (0, ValueError, "must be >= 1 .*got 0"),
+    (2.5, TypeError, "must be a whole number .*got 2.5 \\(float\\)"),
+    ("3", TypeError, "must be a whole number .*got '3' \\(str\\)"),
+])
+def test_prompt_lookup_num_tokens_must_be_a_positive_int(target, mask, tokens, error, message):
+    repetitive = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # a lookup finds a match at once
+    with pytest.raises(error, match="prompt_lookup_num_tokens " + message):
+        viasd(target, repetitive, ViaSDConfig(routing_mask=mask), prompt_lookup_num_tokens=tokens)
+
+
+def test_assistant_early_exit_is_refused_not_ignored(target, mask, assistant):
+    with pytest.raises(ValueError, match=r"assistant_early_exit=2\).*ViaSDConfig\(self_draft_mask=\.\.\.\)"):
+        viasd(target, prompt(0), ViaSDConfig(routing_mask=mask), drafter=assistant, assistant_early_exit=2)
+
+
+def test_viasd_inside_a_users_routed_block_is_refused(target, mask):
+    config = ViaSDConfig(routing_mask=mask, mode="lossless")
+    with routed(target, RoutingMask.from_model(target, skip=[3, 4])):
+        with pytest.raises(ValueError, match=r"inside routed\(model, mask\), which skips decoder layers \[3, 4\]"):
+            viasd(target, prompt(0), config, prompt_lookup_num_tokens=3)
+    expected = target.generate(prompt(0), max_new_tokens=8, **GREEDY)
+    assert torch.equal(viasd(target, prompt(0), config, max_new_tokens=8, prompt_lookup_num_tokens=3).sequences, expected)
+
+
 # -- ViaSDConfig is checked when generate uses it -------------------------------------------------
 
 
@@ -330,3 +375,13 @@ def test_config_file_with_a_wrong_type_names_the_field(tmp_path, mask):
     path.write_text(path.read_text().replace('"num_draft_tokens": 5', '"num_draft_tokens": "5"'))
     with pytest.raises(TypeError, match="num_draft_tokens"):
         ViaSDConfig.from_pretrained(tmp_path)
+
+
+def test_a_config_with_paths_saves_them_as_strings(tmp_path, mask):
+    mask.save_pretrained(tmp_path / "mask")
+    config = ViaSDConfig(routing_mask=tmp_path / "mask", self_draft_mask=tmp_path / "mask", vocabulary=tmp_path / "vocab")
+    config.save_pretrained(tmp_path / "config")
+    saved = json.loads((tmp_path / "config" / "viasd_config.json").read_text())
+    assert saved["routing_mask"] == saved["self_draft_mask"] == str(tmp_path / "mask")
+    assert saved["vocabulary"] == str(tmp_path / "vocab")
+    assert ViaSDConfig.from_pretrained(tmp_path / "config").routing_mask == str(tmp_path / "mask")

@@ -220,10 +220,11 @@ class ViaSDConfig(HubMixin):
         return cls(**preset | overrides)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as JSON can hold them: a ``Path`` given for a mask or vocabulary becomes its string."""
+        return {name: os.fspath(value) if isinstance(value, os.PathLike) else value for name, value in asdict(self).items()}
 
     def to_json(self) -> str:
-        """The ``viasd_config.json`` text: a ``RoutingMask`` is embedded, a path or Hub repo id kept as it is."""
+        """The ``viasd_config.json`` text: a ``RoutingMask`` is embedded, a path or Hub repo id kept as a string."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod

@@ -48,6 +48,7 @@ from .hub_files import HUB_MISSES, Lookup, NotFoundError, describe_miss, fetch, 
 
 MASK_FILENAME = "routing_mask.json"
 MASK_SET_FILENAME = "mask_set.json"
+MEMBERS_FOLDER = "masks"  # a mask set's members, but its default (routing_mask.json)
 SEARCH_LOG_FILENAME = "search_log.jsonl"
 DEFAULT_MASKS_REPO = "viasd-hf/routing-masks"
 MASKS_REPO_ENV = "VIASD_MASKS_REPO"
@@ -84,6 +85,11 @@ def pair_folder(target: str, drafter: str = "self") -> str:
 def mask_path_in_repo(target: str, drafter: str = "self") -> str:
     """Where the mask of the ``(target, drafter)`` pair lives in a masks repo."""
     return f"{pair_folder(target, drafter)}/{MASK_FILENAME}"
+
+
+def mask_set_files(paths: list[str], folder: str) -> list[str]:
+    """Those of ``paths`` (in a repo) that belong to a mask set in ``folder``: its index and its members but the default."""
+    return [path for path in paths if path == f"{folder}/{MASK_SET_FILENAME}" or path.startswith(f"{folder}/{MEMBERS_FOLDER}/")]
 
 
 def default_masks_repo() -> str:

@@ -31,11 +31,25 @@ from .architectures import model_config
 from .hub_files import HUB_MISSES, Lookup, NotFoundError, commit, fetch, in_folder
 from .mask_cache import cached_mask
 from .mask_card import CARD_FILENAME, render_model_card
-from .mask_repo import MASK_FILENAME, MASK_SET_FILENAME, default_masks_repo, find_pair_file, pair_folder
-from .masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError, check_pushable, mask_records
+from .mask_repo import (
+    MASK_FILENAME,
+    MASK_SET_FILENAME,
+    MEMBERS_FOLDER,
+    default_masks_repo,
+    find_pair_file,
+    mask_set_files,
+    pair_folder,
+)
+from .masks import (
+    MALFORMED_MASK_ERRORS,
+    RoutingMask,
+    RoutingMaskError,
+    check_pushable,
+    mask_records,
+    search_log_operations,
+)
 
 SCHEMA_VERSION = 1
-MEMBERS_FOLDER = "masks"
 SINGLE_MEMBER = "default"  # the name a lone routing mask gets when it is read as a set
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 
@@ -46,6 +60,7 @@ class MaskSet:
 
     ``masks`` is kept in one order whatever order it was given in: the default, then the others by
     name, so a set reads back from its files exactly as it was (the chooser probes in that order).
+    Renaming ``default`` later is checked, and reorders ``masks``, as construction does.
     """
 
     masks: dict[str, RoutingMask]
@@ -57,10 +72,7 @@ class MaskSet:
             raise RoutingMaskError("a mask set needs a non-empty dict of named routing masks, e.g. {'general': mask}")
         members = {name: _member(name, mask) for name, mask in self.masks.items()}
         self.default = self.default or next(iter(members))
-        if self.default not in members:
-            raise RoutingMaskError(f"the mask set's default {self.default!r} is not one of its members {list(members)}")
-        # one order however the set was written (JSON files sort their keys): the default, then by name
-        self.masks = {name: members[name] for name in [self.default, *sorted(set(members) - {self.default})]}
+        self.masks = _default_first(members, self.default)
         if not isinstance(self.schema_version, int) or self.schema_version > SCHEMA_VERSION:
             raise RoutingMaskError(f"mask set schema {self.schema_version!r} is not one this viasd_hf reads; upgrade viasd_hf")
         first_name, first = next(iter(self.masks.items()))
@@ -75,6 +87,12 @@ class MaskSet:
             twin = seen.setdefault(tuple(mask.kept_layers), name)
             if twin != name:
                 raise RoutingMaskError(f"mask set members {twin!r} and {name!r} keep the same layers; drop one")
+        self._built = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "default" and self.__dict__.get("_built"):
+            self.masks = _default_first(self.masks, value)
+        super().__setattr__(name, value)
 
     @property
     def default_mask(self) -> RoutingMask:
@@ -181,6 +199,7 @@ class MaskSet:
         target_slug: str | None = None,
         drafter_slug: str | None = None,
         model: nn.Module | None = None,
+        search_log: bytes | None = None,
         commit_message: str | None = None,
         private: bool | None = None,
         token: str | bool | None = None,
@@ -190,35 +209,50 @@ class MaskSet:
     ) -> CommitInfo:
         """Publish the set in one commit to its pair's folder (as ``RoutingMask.push_to_hub`` places a mask).
 
-        The default member replaces the folder's ``routing_mask.json``; members of an earlier set
-        that this one lacks are removed; the repo's model card is regenerated. Every member is
-        checked as a pushed mask is (and against ``model`` when one is given).
+        The default member replaces the folder's ``routing_mask.json`` and ``search_log`` its search
+        log (or a stale log is removed, as a pushed mask does); members of an earlier set that this
+        one lacks are removed; the repo's model card is regenerated. Every member is checked as a
+        pushed mask is (``check_pushable``).
         """
         if subfolder is not None and (target_slug or drafter_slug):
             raise ValueError("pass either subfolder= or target_slug=/drafter_slug=, not both")
+        self.check_pushable(model)
+        default = self.default_mask
+        folder = (subfolder or "").strip("/") or pair_folder(target_slug or default.target_id, drafter_slug or default.drafter_id)
+        api = HfApi(endpoint=endpoint, token=token)
+        return commit(
+            api, repo_id, lambda head: self._repo_operations(api, repo_id, head, folder, search_log),
+            commit_message=commit_message or f"Add a set of {len(self.masks)} routing masks for {folder}",
+            revision=revision, private=private, create_repo=create_repo,
+        )  # fmt: skip
+
+    def check_pushable(self, model: nn.Module | None = None) -> None:
+        """Refuse a set with a member that a mask push would refuse (``masks.check_pushable``), naming it."""
         for name, mask in self.masks.items():
             try:
                 check_pushable(mask, model)
             except RoutingMaskError as error:
                 raise RoutingMaskError(f"mask set member {name!r}: {error}") from None
-        default = self.default_mask
-        folder = (subfolder or "").strip("/") or pair_folder(target_slug or default.target_id, drafter_slug or default.drafter_id)
-        api = HfApi(endpoint=endpoint, token=token)
-        return commit(
-            api, repo_id, lambda head: self._repo_operations(api, repo_id, head, folder),
-            commit_message=commit_message or f"Add a set of {len(self.masks)} routing masks for {folder}",
-            revision=revision, private=private, create_repo=create_repo,
-        )  # fmt: skip
 
-    def _repo_operations(self, api: HfApi, repo_id: str, head: str, folder: str) -> list[CommitOperation]:
+    def _repo_operations(
+        self, api: HfApi, repo_id: str, head: str, folder: str, search_log: bytes | None
+    ) -> list[CommitOperation]:
         files = api.list_repo_files(repo_id, revision=head)
         ours = {f"{folder}/{file}": self.masks[name] for name, file in self.files().items()}
         records = mask_records(api, repo_id, head, files) | {f"{folder}/{MASK_FILENAME}": self.default_mask.to_dict()}
         operations: list[CommitOperation] = [CommitOperationAdd(path, mask.to_json().encode()) for path, mask in ours.items()]
-        operations.append(CommitOperationAdd(f"{folder}/{MASK_SET_FILENAME}", self.index_json().encode()))
+        index = f"{folder}/{MASK_SET_FILENAME}"
+        operations.append(CommitOperationAdd(index, self.index_json().encode()))
         operations.append(CommitOperationAdd(CARD_FILENAME, render_model_card(repo_id, records).encode()))
-        stale = [path for path in files if path.startswith(f"{folder}/{MEMBERS_FOLDER}/") and path not in ours]
-        return operations + [CommitOperationDelete(path) for path in stale]
+        stale = [path for path in mask_set_files(files, folder) if path not in ours and path != index]
+        return operations + search_log_operations(files, folder, search_log) + [CommitOperationDelete(path) for path in stale]
+
+
+def _default_first(members: dict[str, RoutingMask], default: Any) -> dict[str, RoutingMask]:
+    """``members`` in a set's one order (JSON files sort their keys): ``default``, then the others by name."""
+    if not isinstance(default, str) or default not in members:
+        raise RoutingMaskError(f"the mask set's default {default!r} is not one of its members {list(members)}")
+    return {name: members[name] for name in [default, *sorted(set(members) - {default})]}
 
 
 def _member(name: Any, mask: Any) -> RoutingMask:

@@ -7,6 +7,7 @@ other. It also records how it was found, so a mask pulled from the Hub explains 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,16 @@ from .checks import is_int, is_real
 from .hub_files import Lookup, NotFoundError, commit
 from .hub_mixin import HubMixin
 from .mask_card import CARD_FILENAME, card_row, render_model_card
-from .mask_repo import HOW_TO_GET_A_MASK, MASK_FILENAME, SEARCH_LOG_FILENAME, find_pair_file, pair_folder
+from .mask_repo import (
+    HOW_TO_GET_A_MASK,
+    MASK_FILENAME,
+    MASK_SET_FILENAME,
+    MEMBERS_FOLDER,
+    SEARCH_LOG_FILENAME,
+    find_pair_file,
+    mask_set_files,
+    pair_folder,
+)
 from .version import __version__
 
 SCHEMA_VERSION = 1
@@ -173,6 +183,17 @@ class RoutingMask(HubMixin):
             if layer not in self.kept_layers:
                 raise RoutingMaskError(f"the routing mask skips layer {layer}, which must be kept: it is {reason}")
 
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> Path:
+        """Write ``routing_mask.json`` into ``save_directory`` (made if missing) and return its path.
+
+        A mask set saved there before (``viasd_hf.mask_set``) is removed: the folder would otherwise read
+        as that set, with this mask as its default beside stale members the chooser could switch to.
+        As transformers' ``save_pretrained`` drops a previous save's stale weight files, the folder then
+        holds this one mask; save a ``MaskSet`` to keep a set.
+        """
+        _remove_mask_set(Path(save_directory))
+        return super().save_pretrained(save_directory)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -276,7 +297,8 @@ class RoutingMask(HubMixin):
 
         It lands at ``<target-slug>/<drafter folder>/routing_mask.json`` (``viasd_hf.mask_repo``;
         the slugs default to the ids in the mask), or in ``subfolder``. One commit adds the mask
-        and its search log (or removes a stale one) and regenerates the card from every mask in
+        and its search log (or removes a stale one), removes a mask set published there (as
+        ``save_pretrained`` does locally), and regenerates the card from every mask in
         the repo, on top of the revision it read them from, so a concurrent push makes it fail
         instead of leaving a card that misses a pair. A mask that is inconsistent, or not made
         for ``model`` when one is given, is refused. ``revision`` is a branch, created when
@@ -297,7 +319,8 @@ class RoutingMask(HubMixin):
     def _repo_operations(
         self, api: HfApi, repo_id: str, head: str, folder: str, search_log: bytes | None
     ) -> list[CommitOperation]:
-        """What a push commits on top of ``head``: this mask, the regenerated card, and the search log (or its removal)."""
+        """What a push commits on top of ``head``: this mask, the regenerated card, the search log (or its removal),
+        and the removal of a mask set's other files in ``folder``."""
         files = api.list_repo_files(repo_id, revision=head)
         path = f"{folder}/{MASK_FILENAME}"
         records = mask_records(api, repo_id, head, files) | {path: self.to_dict()}
@@ -305,12 +328,29 @@ class RoutingMask(HubMixin):
             CommitOperationAdd(path, self.to_json().encode()),
             CommitOperationAdd(CARD_FILENAME, render_model_card(repo_id, records).encode()),
         ]
-        log_path = f"{folder}/{SEARCH_LOG_FILENAME}"
-        if search_log is not None:
-            operations.append(CommitOperationAdd(log_path, search_log))
-        elif log_path in files:
-            operations.append(CommitOperationDelete(log_path))
-        return operations
+        stale_set = [CommitOperationDelete(stale) for stale in mask_set_files(files, folder)]
+        return operations + search_log_operations(files, folder, search_log) + stale_set
+
+
+def search_log_operations(files: list[str], folder: str, search_log: bytes | None) -> list[CommitOperation]:
+    """Upload ``search_log`` into ``folder``, or remove the log there: it told how the mask being replaced was found."""
+    path = f"{folder}/{SEARCH_LOG_FILENAME}"
+    if search_log is not None:
+        return [CommitOperationAdd(path, search_log)]
+    return [CommitOperationDelete(path)] if path in files else []
+
+
+def _remove_mask_set(directory: Path) -> None:
+    """Delete the mask set saved in ``directory``, if any, but its default member (``routing_mask.json``)."""
+    index = directory / MASK_SET_FILENAME
+    if not index.is_file():
+        return
+    index.unlink()  # first: without its index, the folder already reads as a single mask
+    members = directory / MEMBERS_FOLDER
+    for member in members.glob("*.json"):
+        member.unlink()
+    with contextlib.suppress(OSError):  # a folder left with files of the user's own
+        members.rmdir()
 
 
 def check_pushable(mask: RoutingMask, model: nn.Module | None = None) -> None:

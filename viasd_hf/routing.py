@@ -106,6 +106,12 @@ def skipping(model: nn.Module, skipped: Sequence[int]) -> Iterator[nn.Module]:
                 _release(layer)
 
 
+def skipped_layers_here(model: nn.Module) -> list[int]:
+    """The decoder layers of ``model`` that forward passes in this context skip (inside ``routed`` or ``skipping``)."""
+    skipped = _SKIPPED.get()
+    return [index for index, layer in enumerate(decoder_layers(model)) if id(layer) in skipped]
+
+
 @contextmanager
 def routed(model: nn.Module, mask: RoutingMask) -> Iterator[nn.Module]:
     """Within this block, forward passes of ``model`` skip the layers ``mask`` does not keep.

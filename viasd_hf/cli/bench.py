@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoConfig
 
+from .. import zoo
 from ..bench.methods import (
     ABLATIONS,
     HYBRID_SUFFIX,
@@ -52,6 +54,7 @@ DRAFTER_METHODS = frozenset({
     STEERED_REFERENCE,
 })
 MASK_METHODS = frozenset({"viasd", "viasd_lossless"})
+_OWN_MASK = "pass a mask searched for the target (`viasd search` or `viasd pull`)"
 
 
 def _bases(names: list[str]) -> set[str]:
@@ -136,13 +139,34 @@ def _known_mask(target_name: str, drafters: tuple[str, ...]) -> RoutingMask | No
     return None
 
 
-def _mask_from(flag: str, source: str) -> RoutingMask:
+def _mask_from(flag: str, source: str, target: str) -> RoutingMask:
     try:
-        return RoutingMask.from_pretrained(source)
+        mask = RoutingMask.from_pretrained(source)
     except RoutingMaskError as error:  # not found (with where it looked) or malformed
         raise UsageError(f"{flag} {source}: {error}") from None
     except MALFORMED_MASK_ERRORS as error:
         raise UsageError(f"{flag} {source}: not a valid routing mask: {first_line(error)}") from None
+    _check_mask_target(f"{flag} {source}", mask, target)
+    return mask
+
+
+def _check_mask_target(flag: str, mask: RoutingMask, target: str) -> None:
+    """Refuse a mask made for another model before the models load (minutes): for a zoo target, by name (zoo
+    models keep theirs as their id), else by the depth its config.json gives, when that is on disk. The full
+    check (config fingerprint, protected layers) runs once the target is loaded."""
+    if target in zoo.ZOO:
+        if mask.target_id in zoo.ZOO and mask.target_id != target:
+            raise UsageError(f"{flag}: this routing mask is for {mask.target_id}, not --target {target}; {_OWN_MASK}")
+        return
+    try:
+        layers = AutoConfig.from_pretrained(target, local_files_only=True).get_text_config().num_hidden_layers
+    except (OSError, ValueError):
+        return  # only loading the target can tell
+    if layers != mask.num_layers:
+        raise UsageError(
+            f"{flag}: this routing mask is for a {mask.num_layers}-layer model ({mask.target_id}), but --target "
+            f"{target} has {layers} decoder layers; {_OWN_MASK}"
+        )
 
 
 def _mask_set(args: argparse.Namespace) -> MaskSet:
@@ -197,7 +221,7 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
     if args.plots:
         check_output_dir(args.plots, "--plots")
     examples = _examples(args)
-    mask = _mask_from("--mask", args.mask) if args.mask else _known_mask(args.target, (args.drafter,))
+    mask = _mask_from("--mask", args.mask, args.target) if args.mask else _known_mask(args.target, (args.drafter,))
     if mask is None and MASK_METHODS & _bases(names):
         raise UsageError(
             f"no routing mask is known for ({args.target}, {args.drafter}): pass --mask, find one with "
@@ -205,7 +229,7 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
             "out of --methods"
         )
     self_mask = (
-        _mask_from("--self-draft-mask", args.self_draft_mask) if args.self_draft_mask
+        _mask_from("--self-draft-mask", args.self_draft_mask, args.target) if args.self_draft_mask
         else _known_mask(args.target, ("self-drafter", "self"))
     )
     if self_mask is None and "self_spec" in names:

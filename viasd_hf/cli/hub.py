@@ -1,4 +1,4 @@
-"""``viasd push`` and ``viasd pull``: routing masks to and from a Hub repo of masks, one pair at a time."""
+"""``viasd push`` and ``viasd pull``: routing masks (and mask sets, pushed) to and from a Hub repo of masks, one pair at a time."""
 
 from __future__ import annotations
 
@@ -8,17 +8,19 @@ from pathlib import Path
 from huggingface_hub import constants
 from huggingface_hub.errors import HfHubHTTPError
 
-from ..hub import push_mask
+from ..hub import push_mask, read_pushable
 from ..hub_files import NO_ANSWER
-from ..mask_repo import DEFAULT_MASKS_REPO, MASK_FILENAME, MASKS_REPO_ENV, SEARCH_LOG_FILENAME
-from ..masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError, check_pushable
+from ..mask_repo import DEFAULT_MASKS_REPO, MASK_FILENAME, MASK_SET_FILENAME, MASKS_REPO_ENV, SEARCH_LOG_FILENAME
+from ..masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
 from .args import CommandError, UsageError, check_endpoint, check_output_dir, check_repo_id, first_line
 
 
 def add_hub_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register ``viasd push`` and ``viasd pull``."""
-    push = subparsers.add_parser("push", help="publish a routing mask (and its search log) to a Hub repo of masks")
-    push.add_argument("mask_dir", metavar="MASK_DIR", help=f"folder holding {MASK_FILENAME} (and {SEARCH_LOG_FILENAME})")
+    push = subparsers.add_parser("push", help="publish a routing mask or mask set (and its search log) to a Hub repo of masks")
+    push.add_argument("mask_dir", metavar="MASK_DIR",
+                      help=f"folder holding {MASK_FILENAME} (and {SEARCH_LOG_FILENAME}); with {MASK_SET_FILENAME}, the "
+                           "whole mask set is published")  # fmt: skip
     push.add_argument("--repo-id", required=True, help=f"Hub repo of masks, e.g. {DEFAULT_MASKS_REPO}")
     _add_hub_options(push, revision_help="branch to commit to (created if missing; default main)")
     push.set_defaults(handler=run_push_command)
@@ -46,7 +48,7 @@ def run_push_command(args: argparse.Namespace) -> int:
     if not source.exists():  # else RoutingMask.from_pretrained would take it for a Hub id and ask the Hub
         raise UsageError(f"MASK_DIR {args.mask_dir}: no such folder or file")
     try:
-        check_pushable(RoutingMask.from_pretrained(source))
+        read_pushable(source)
     except MALFORMED_MASK_ERRORS as error:
         raise UsageError(f"MASK_DIR {args.mask_dir}: not a valid routing mask: {first_line(error)}") from None
     try:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..vocabulary.build import DEFAULT_SIZES, build_vocabulary
-from .args import DTYPES, check_model, load_model, non_negative_int, positive_int, positive_ints
+from .args import DTYPES, check_model, check_output_dir, load_model, non_negative_int, positive_int, positive_ints
 
 
 def add_vocab_command(subparsers: argparse._SubParsersAction) -> None:
@@ -32,10 +32,11 @@ def add_vocab_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_vocab_command(args: argparse.Namespace) -> int:
-    """Build the vocabulary, write it, and print coverage, head cost and score per candidate size."""
+    """Check the arguments, build the vocabulary, write it, and print coverage, head cost and score per candidate size."""
     check_model(args.target, "--target")
     if args.drafter:
         check_model(args.drafter, "--drafter")
+    check_output_dir(args.out, "--out")
     target, tokenizer = load_model(args.target, args.dtype, "--target")
     drafter = load_model(args.drafter, args.dtype, "--drafter")[0] if args.drafter else None
     vocabulary = build_vocabulary(
