@@ -7,16 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .choice import (
-    cache_key,
-    cache_path,
-    cached_measure,
-    choose,
-    choose_drafter,
-    cpu_identity,
-    library_version,
-    markdown_table,
-)
+from .choice import cache_key, cache_path, cached_measure, choose, choose_drafter, markdown_table
+from .machine import cpu_identity, library_version
 from .measure import MeasureOptions
 from .schemes import SCHEMES
 

@@ -10,23 +10,19 @@ second ``auto`` is instant.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
-import json
-import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..zoo import ZOO, viasd_home, zoo_revision
+from ..zoo import ZOO, zoo_revision
 from .drafting import DraftingAcceptance, drafting_throughput
+from .machine import LIBRARIES, cpu_identity, library_version, read_record, record_path, write_record
 from .measure import Measurement, MeasureOptions, measure
 from .schemes import ALIASES, AUTO, BASELINE, SCHEMES, Scheme, get_scheme
 
-CACHE_FORMAT = 2
-_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8", "asimd", "sve")
+CACHE_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -36,7 +32,7 @@ class Acceptance:
     Its next-token argmax may differ from the unquantised model's at no more than one position in
     ten, its mean KL stays below 0.1 nat, it must be at least 10 % faster than bf16 (a smaller gain
     is within the run-to-run noise of a busy machine and not worth the agreement it costs), and it
-    must be batch-invariant (:attr:`Scheme.batch_invariant`), so lossless VIA-SD stays lossless.
+    must be batch-invariant on this machine (:mod:`.invariance`), so lossless VIA-SD stays lossless.
     """
 
     min_top1: float = 0.90
@@ -49,7 +45,7 @@ class Acceptance:
         if m.error:
             return m.error
         reasons = []
-        if self.require_batch_invariant and not SCHEMES[m.scheme].batch_invariant:
+        if self.require_batch_invariant and not m.batch_invariant:
             reasons.append("not batch-invariant")
         if m.top1 < self.min_top1:
             reasons.append(f"top-1 agreement {m.top1:.3f} < {self.min_top1}")
@@ -110,29 +106,6 @@ def choose_drafter(
     return best.scheme, reason + (f" (not: {rejected})" if rejected else "")
 
 
-def cpu_identity() -> dict[str, Any]:
-    """The CPU model and the instruction-set extensions quantised kernels dispatch on."""
-    info: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = set(info.get("flags", info.get("Features", "")).split())
-    model = info.get("model name") or platform.processor() or platform.machine()
-    ids = [info.get(k) for k in ("cpu family", "model", "stepping")]
-    return {"model": model, "id": "/".join(i for i in ids if i), "flags": sorted(flags.intersection(_CPU_FLAGS)),
-            "cpus": os.cpu_count()}  # fmt: skip
-
-
-def library_version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _model_identity(name_or_path: str) -> str:
     if name_or_path in ZOO and not Path(name_or_path).is_dir():
         return f"{name_or_path}@{zoo_revision(name_or_path)}"
@@ -149,15 +122,13 @@ def cache_key(name_or_path: str, schemes: Sequence[str], options: MeasureOptions
         "model": _model_identity(name_or_path),
         "schemes": list(schemes),
         "cpu": cpu_identity(),
-        "versions": {p: library_version(p) for p in ("torch", "transformers", "bitsandbytes", "torchao")},
+        "versions": {p: library_version(p) for p in LIBRARIES},
         "options": asdict(options),
     }
 
 
 def cache_path(key: dict[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    stem = "".join(c if c.isalnum() or c in "-._" else "_" for c in Path(key["model"]).name)
-    return viasd_home() / "quantization" / f"{stem}-{digest}.json"
+    return record_path(key, Path(key["model"]).name)
 
 
 def cached_measure(
@@ -173,18 +144,15 @@ def cached_measure(
     names = list(schemes if schemes is not None else SCHEMES)
     key = cache_key(name_or_path, names, options)
     path = cache_path(key)
-    if path.is_file() and not refresh:
+    record = None if refresh else read_record(path)
+    if record is not None:
         try:
-            return [Measurement(**m) for m in json.loads(path.read_text())["measurements"]]
-        except (ValueError, TypeError, KeyError):
+            return [Measurement(**m) for m in record["measurements"]]
+        except (TypeError, KeyError):
             pass  # unreadable (e.g. edited by hand): measure again and overwrite it
     measurements = measure(name_or_path, names, options, progress=progress, **measure_kwargs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "measurements": [asdict(m) for m in measurements]}  # fmt: skip
-    partial = path.with_suffix(f".partial-{os.getpid()}")
-    partial.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(partial, path)
+    write_record(path, {"key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "measurements": [asdict(m) for m in measurements]})  # fmt: skip
     return measurements
 
 

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoTokenizer, DynamicCache
 
 from ..cache import crop_to
 from ..calibration import encode_prompt, spec_bench_prompts, split_prompts
 from ..zoo import ZOO, resolve_zoo_model
-from .schemes import BASELINE, SCHEMES, QuantizationError, Scheme, get_scheme
+from .invariance import batch_invariant
+from .schemes import BASELINE, SCHEMES, QuantizationError, Scheme, get_scheme, load_in
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Measurement:
     calibration prompts. With a judge, both compare with the judge's float32 model instead, and
     ``judge_bytes`` is the bytes a bf16 pass of this model reads per byte a bf16 pass of the judge
     reads (a drafter pass in verifying passes, as ``draft_planner.StaticCosts`` prices it).
+    ``batch_invariant`` is the scheme's verdict on this machine (:mod:`.invariance`; None for bf16).
     """
 
     scheme: str
@@ -48,6 +50,7 @@ class Measurement:
     top1: float | None = None
     kl: float | None = None
     judge_bytes: float | None = None
+    batch_invariant: bool | None = None
     error: str | None = None
 
     @property
@@ -71,14 +74,6 @@ class MeasureOptions:
 
 def _source(name_or_path: str) -> str | Path:
     return resolve_zoo_model(name_or_path) if name_or_path in ZOO and not Path(name_or_path).is_dir() else name_or_path
-
-
-def _load(source: str | Path, scheme: Scheme | None) -> PreTrainedModel:
-    """``scheme`` None: the unquantised float32 reference."""
-    dtype = scheme.dtype if scheme else torch.float32
-    kwargs = scheme.from_pretrained_kwargs() if scheme else {}
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).eval()
-    return scheme.finish(model) if scheme else model
 
 
 def calibration_windows(name_or_path: str, options: MeasureOptions) -> list[torch.Tensor]:
@@ -164,7 +159,7 @@ def _measure_scheme(
     options: MeasureOptions,
 ) -> dict[str, float]:
     """Agreement, then ``repeats`` rounds alternating with ``baseline`` (who goes first alternates too)."""
-    model = _load(source, scheme)
+    model = load_in(source, scheme)
     result = _agreement(reference, model, windows)
     timed = _Timed(model, baseline.context, baseline.block)
     timed.round()  # warm-up
@@ -200,13 +195,13 @@ def measure(
     try:
         windows = list(windows) if windows is not None else calibration_windows(name_or_path, options)
         source = _source(name_or_path)
-        judge = _load(_source(options.judge) if options.judge else source, None)
+        judge = load_in(_source(options.judge) if options.judge else source, None)
         reference = _log_probs(judge, windows)
         judge_parameters = _parameter_count(judge)
         del judge
         gc.collect()
         context, block = _context(windows, options)
-        baseline_model = _load(source, BASELINE)
+        baseline_model = load_in(source, BASELINE)
         judge_bytes = _parameter_count(baseline_model) / judge_parameters if options.judge else None
         results = {BASELINE.name: _agreement(reference, baseline_model, windows) | {"judge_bytes": judge_bytes}}
         baseline = _Timed(baseline_model, context, block)
@@ -214,7 +209,7 @@ def measure(
         for name in tqdm(names, desc="quantization: measure", unit="scheme", disable=not progress):
             try:
                 results[name] = _measure_scheme(source, get_scheme(name), reference, windows, baseline, options)
-                results[name]["judge_bytes"] = judge_bytes
+                results[name] |= {"judge_bytes": judge_bytes, "batch_invariant": batch_invariant(name)}
             except Exception as error:  # noqa: BLE001 — a scheme that cannot run on this machine is a result
                 results[name] = {"error": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
             gc.collect()  # the scheme's model is garbage now: free it before loading the next
