@@ -66,7 +66,8 @@ def test_choosing_a_drafter_needs_a_judge():
         choose_drafter([Measurement("bf16", decode_ratio=1.0, top1=0.9), Measurement("bnb-4bit", decode_ratio=0.5, top1=0.8)])
 
 
-def test_a_drafter_is_measured_against_its_target(tmp_path):
+def test_a_drafter_is_measured_against_its_target(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIASD_HOME", str(tmp_path / "home"))  # where the batch-invariance verdicts go
     drafter = save_tiny(tmp_path / "drafter", seed=1, num_hidden_layers=2)
     target = save_tiny(tmp_path / "target", seed=2, num_hidden_layers=8)
     options = MeasureOptions(context=16, repeats=1, threads=1, judge=str(target))
