@@ -70,6 +70,12 @@ def tiny_t5(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> T
     return T5ForConditionalGeneration(config).to(dtype).eval()
 
 
+def rounding_tolerance(dtype: torch.dtype, terms: int, scale: float) -> float:
+    """How far two kernels that add in different orders (another CPU, another block shape) may drift apart: a few
+    units in the last place of ``dtype`` per term of the sums behind a value of size ``scale``."""
+    return 4 * terms * torch.finfo(dtype).eps * float(scale)
+
+
 def without_layers(model: PreTrainedModel, skip: list[int]) -> PreTrainedModel:
     """A hand-built reference: a deep copy of ``model`` whose decoder simply lacks the ``skip`` layers.
 
