@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import os
 
+# before transformers imports huggingface_hub, which reads it once, at import
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pytest
 import torch
 from torch import nn
@@ -20,8 +23,6 @@ from transformers import (
     T5Config,
     T5ForConditionalGeneration,
 )
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB = 96
 
