@@ -274,4 +274,5 @@ def test_bench_quantizes_every_method_alike_and_compares_with_the_bf16_pair(home
     assert {role: q["scheme"] for role, q in data["quantization"].items()} == {"drafter": "bnb-4bit", "target": "bnb-4bit"}
     assert data["quantization"]["target"]["requested"] == "4bit"
     assert len(data["outputs"]["hf_assisted_bf16"]) == 1 and "speedup_vs_greedy" in data["methods"]["hf_assisted_bf16"]
-    assert data["methods"]["two_tier"]["quality"]["greedy_agreement"] == 1.0  # the same quantised target as greedy
+    if batch_invariant("bnb-4bit"):  # on this machine: the same quantised target as greedy, one token or a block
+        assert data["methods"]["two_tier"]["quality"]["greedy_agreement"] == 1.0
