@@ -24,6 +24,8 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
+from viasd_hf import drafter_precision
+
 VOCAB = 96
 
 _COMMON = dict(
@@ -132,6 +134,14 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("near-tie exceptions (lossless greedy vs generate)")
         for line in NEAR_TIE_REPORT:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def drafters_as_loaded(request, monkeypatch):
+    """Assistant models draft as the test loaded them: the form measured fastest on this machine would make the
+    drafting statistics tests assert depend on the machine. Tests of that feature are marked ``machine_precision``."""
+    if request.node.get_closest_marker("machine_precision") is None:
+        monkeypatch.setattr(drafter_precision, "fastest_form", lambda drafter: drafter)
 
 
 @pytest.fixture

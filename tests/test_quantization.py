@@ -139,7 +139,7 @@ def test_auto_measures_once_then_reads_the_cache(home, tiny_folder, monkeypatch)
 
 
 def test_measuring_a_tiny_model_covers_every_scheme_and_is_cached(home, tiny_folder):
-    options = MeasureOptions(context=16, repeats=1, threads=1)
+    options = MeasureOptions(context=16, repeats=1, threads=1, screen_margin=float("inf"), losing=float("inf"))
     measurements = quantization.cached_measure(str(tiny_folder), AVAILABLE, options, windows=windows(), progress=False)
     assert [m.scheme for m in measurements] == [BASELINE.name, *AVAILABLE]
     for m in measurements:

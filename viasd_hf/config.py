@@ -23,6 +23,7 @@ CONFIDENCE_SIGNALS = ("ratio", "probability")
 TIER_SWITCHING = ("auto", "measured", "fixed")
 ATTENTION_KERNELS = ("auto", "measured", "model")
 VOCABULARY_TIERS = ("drafter", "slim")
+DRAFTER_PRECISIONS = ("auto", "as_loaded")
 
 
 def _wrong_type(name: str, expected: str, value: Any) -> TypeError:
@@ -77,6 +78,11 @@ class ViaSDConfig(HubMixin):
     choice at the position where it is likeliest to be needed, as a leaf beside the draft in the same
     pass (``viasd_hf.branching``); when the full model picks it, the block commits one token more.
     Output is unchanged: every committed token is still the full model's choice.
+
+    ``drafter_precision``: ``"auto"`` lets lossless greedy decoding draft with a copy of an assistant model
+    in the unquantised form (fp32, bf16, fp16) measured fastest on this machine, made once per drafter
+    (``viasd_hf.drafter_precision``); its precision cannot change lossless greedy output. ``"as_loaded"``
+    drafts with the model as given, as tiered mode and sampling always do.
     """
 
     hub_filename = CONFIG_FILENAME
@@ -101,6 +107,7 @@ class ViaSDConfig(HubMixin):
     vocabulary_tiers: tuple[str, ...] = VOCABULARY_TIERS  # the tiers that decode over the vocabulary
     drafter_context: int | None = None  # see above: the most prompt tokens an assistant drafter reads; None: all
     runner_up: bool = True  # greedy: the full pass also verifies the drafter's second choice (see above)
+    drafter_precision: str = "auto"  # lossless greedy: draft in the fastest form measured here, or "as_loaded"
 
     def __post_init__(self) -> None:
         if isinstance(self.routing_mask, dict):
@@ -136,6 +143,8 @@ class ViaSDConfig(HubMixin):
             )
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+        if self.drafter_precision not in DRAFTER_PRECISIONS:
+            raise ValueError(f"drafter_precision must be one of {DRAFTER_PRECISIONS}, got {self.drafter_precision!r}")
         if self.confidence not in CONFIDENCE_SIGNALS:
             raise ValueError(f"confidence must be one of {CONFIDENCE_SIGNALS}, got {self.confidence!r}")
         for name in ("tau_accept", "tau_escalate"):

@@ -14,17 +14,14 @@ Verdicts are cached per CPU, thread count and library versions (:mod:`.machine`)
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from .machine import machine_key, read_record, record_path, write_record
+from .probe import probe_checkpoint, probe_mlp
 from .schemes import get_scheme, load_in
 
 FORMAT = 1
@@ -45,22 +42,6 @@ class Invariance:
     @property
     def batch_invariant(self) -> bool:
         return self.drift <= self.unquantised_drift
-
-
-@contextmanager
-def probe_checkpoint(hidden_size: int, intermediate_size: int) -> Iterator[Path]:
-    """A one-layer llama with these MLP sizes, saved in a temporary folder (random weights, the same every time)."""
-    config = LlamaConfig(vocab_size=256, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=1, num_attention_heads=hidden_size // 64, num_key_value_heads=2)  # fmt: skip
-    with torch.random.fork_rng(), tempfile.TemporaryDirectory(prefix="viasd-probe-") as folder:
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-        yield Path(folder)
-
-
-def probe_mlp(model: nn.Module) -> nn.Module:
-    """The MLP of a probe model: its linear layers in the model's format, and row-wise by construction."""
-    return model.get_decoder().layers[0].mlp
 
 
 @torch.no_grad()

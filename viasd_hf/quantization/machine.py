@@ -21,8 +21,9 @@ from ..zoo import viasd_home
 
 _CPU_FLAGS = (
     "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_bf16", "amx_fp16", "amx_int8",
-    "asimd", "sve", "bf16", "fphp",
+    "asimd", "asimdhp", "sve", "bf16", "fphp",
 )  # fmt: skip
+_NATIVE_FP16 = ("avx512_fp16", "amx_fp16", "asimdhp")
 LIBRARIES = ("torch", "transformers", "bitsandbytes", "torchao")
 
 
@@ -40,6 +41,11 @@ def cpu_identity() -> dict[str, Any]:
     ids = [info.get(k) for k in ("cpu family", "model", "stepping")]
     return {"model": model, "id": "/".join(i for i in ids if i), "flags": sorted(flags.intersection(_CPU_FLAGS)),
             "cpus": os.cpu_count()}  # fmt: skip
+
+
+def native_fp16() -> bool:
+    """Whether the CPU computes in float16 itself; elsewhere fp16 matmuls convert to float32 and are slow."""
+    return any(flag in cpu_identity()["flags"] for flag in _NATIVE_FP16)
 
 
 def library_version(package: str) -> str | None:

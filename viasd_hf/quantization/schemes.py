@@ -107,6 +107,11 @@ class Scheme:
 
 
 BASELINE = Scheme("bf16", 16, "torch", "torch", torch.bfloat16, "unquantised bfloat16: the speed baseline")
+UNQUANTIZED: dict[str, Scheme] = {
+    s.name: s
+    for s in (Scheme("fp32", 32, "torch", "torch", torch.float32, "unquantised float32"), BASELINE,
+              Scheme("fp16", 16, "torch", "torch", torch.float16, "unquantised float16"))
+}  # fmt: skip
 
 SCHEMES: dict[str, Scheme] = {
     s.name: s
@@ -129,6 +134,8 @@ SCHEMES: dict[str, Scheme] = {
                transform=_torch_dynamic_int8),
     )  # fmt: skip
 }
+
+FORMS: dict[str, Scheme] = UNQUANTIZED | SCHEMES  # every form a model can be measured in
 
 # The width aliases name the scheme measured best for that width on CPU (README, "Quantised tiers").
 ALIASES: dict[str, str] = {"int8": "torchao-int8", "4bit": "bnb-4bit"}
