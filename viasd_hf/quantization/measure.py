@@ -21,7 +21,8 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,6 +240,47 @@ def time_in_rounds(timed: dict[str, _Timed], options: MeasureOptions, bar: tqdm)
     return stopped
 
 
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference(
+    load: Loader, judge: Loader | None, windows: Sequence[torch.Tensor], keep_fp32: bool
+) -> tuple[list[torch.Tensor], int | None, dict[str, nn.Module]]:
+    """The reference log-probs, the judge's parameter count (None without one) and, when ``keep_fp32``, the model's
+    own float32 reference as its fp32 form, so that it is not loaded twice."""
+    reference_model = (judge or load)(None)
+    reference = _log_probs(reference_model, windows)
+    judge_parameters = _parameter_count(reference_model) if judge else None
+    kept = {"fp32": reference_model} if keep_fp32 and not judge else {}
+    return reference, judge_parameters, kept
+
+
+def _loaded_and_timed(
+    load: Loader, names: Sequence[str], models: dict[str, nn.Module], ids: tuple[torch.Tensor, torch.Tensor], bar: tqdm
+) -> tuple[dict[str, _Timed], dict[str, str]]:
+    """Each form loaded (into ``models``) with its KV cache of the context, and why those that failed did."""
+    timed, failed = {}, {}
+    for name in names:
+        try:
+            if name not in models:
+                models[name] = load(FORMS[name])
+            timed[name] = _Timed(models[name], *ids)
+        except Exception as error:  # noqa: BLE001 — a form that cannot run on this machine is a result
+            models.pop(name, None)
+            failed[name] = _failure(error)
+        bar.update(1)
+    if BASELINE.name not in timed:
+        raise QuantizationError(f"bf16, the baseline of every ratio, cannot run here: {failed[BASELINE.name]}")
+    return timed, failed
+
+
 def measure_forms(
     load: Loader,
     config: PretrainedConfig,
@@ -251,56 +293,32 @@ def measure_forms(
     """bf16 and the forms ``names``, measured as the module says; ``judge`` loads the judge's float32 model."""
     if not names:
         raise QuantizationError("no forms to measure; name at least one of: " + ", ".join(FORMS))
-    names = [name for name in names if name != BASELINE.name]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(options.threads)
-    try:
-        stages = 3 + len(names) + options.repeats  # screen, reference, each form's load, each round
-        with tqdm(total=stages, desc="precision: measure", disable=not progress) as bar:
-            layer = screen(config, [BASELINE.name, *names])
-            bar.update(1)
-            ruled_out = ruled_out_by_screen(layer, options.screen_margin)
-            reference_model = (judge or load)(None)
-            reference = _log_probs(reference_model, windows)
-            judge_parameters = _parameter_count(reference_model) if judge else None
-            # the model's own float32 reference is its fp32 form
-            models = {"fp32": reference_model} if "fp32" in names and not judge else {}
-            del reference_model
-            gc.collect()
-            bar.update(1)
-            context, block = _context(windows, options)
-            timed, failed = {}, {}
-            for name in [BASELINE.name, *names]:
-                if name not in ruled_out:
-                    try:
-                        if name not in models:
-                            models[name] = load(FORMS[name])
-                        timed[name] = _Timed(models[name], context, block)
-                    except Exception as error:  # noqa: BLE001
-                        models.pop(name, None)
-                        failed[name] = _failure(error)
-                bar.update(1)
-            if BASELINE.name not in timed:
-                raise QuantizationError(f"bf16, the baseline of every ratio, cannot run here: {failed[BASELINE.name]}")
-            models = {name: model for name, model in models.items() if name in timed}
-            stopped = time_in_rounds(timed, options, bar)
-            judge_bytes = _parameter_count(models[BASELINE.name]) / judge_parameters if judge else None
-            base_decode, base_verify = timed[BASELINE.name].best_ms()
-            results = []
-            for name in [BASELINE.name, *names]:
-                fields = {"layer_ms": layer[name] if isinstance(layer[name], float) else None, "judge_bytes": judge_bytes,
-                          "batch_invariant": batch_invariant(name) if name in SCHEMES and name in timed else None}
-                if name in timed:
-                    decode, verify = timed[name].best_ms()
-                    fields |= {"decode_ms": decode, "verify_ms": verify,
-                               "decode_ratio": decode / base_decode, "verify_ratio": verify / base_verify}
-                error = ruled_out.get(name) or failed.get(name) or stopped.get(name)
-                if error is None:
-                    fields |= _agreement(reference, models[name], windows)
-                results.append(Measurement(scheme=name, error=error, **fields))
-            return results
-    finally:
-        torch.set_num_threads(threads)
+    names = [BASELINE.name, *(name for name in names if name != BASELINE.name)]
+    stages = 2 + len(names) + options.repeats  # the screen, the reference, each form's load, each round
+    with _threads(options.threads), tqdm(total=stages, desc="precision: measure", disable=not progress) as bar:
+        layer = screen(config, names)
+        ruled_out = ruled_out_by_screen(layer, options.screen_margin)
+        bar.update(1)
+        reference, judge_parameters, models = _reference(load, judge, windows, keep_fp32="fp32" in names)
+        bar.update(1)
+        loading = [name for name in names if name not in ruled_out]
+        timed, failed = _loaded_and_timed(load, loading, models, _context(windows, options), bar)
+        stopped = time_in_rounds(timed, options, bar)
+        judge_bytes = _parameter_count(models[BASELINE.name]) / judge_parameters if judge else None
+        base_decode, base_verify = timed[BASELINE.name].best_ms()
+        results = []
+        for name in names:
+            fields = {"layer_ms": layer[name] if isinstance(layer[name], float) else None, "judge_bytes": judge_bytes,
+                      "batch_invariant": batch_invariant(name) if name in SCHEMES and name in timed else None}
+            if name in timed:
+                decode, verify = timed[name].best_ms()
+                fields |= {"decode_ms": decode, "verify_ms": verify,
+                           "decode_ratio": decode / base_decode, "verify_ratio": verify / base_verify}  # fmt: skip
+            error = ruled_out.get(name) or failed.get(name) or stopped.get(name)
+            if error is None:
+                fields |= _agreement(reference, models[name], windows)
+            results.append(Measurement(scheme=name, error=error, **fields))
+        return results
 
 
 def measure(
