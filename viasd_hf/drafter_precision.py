@@ -36,8 +36,11 @@ def drafter_for_call(drafter: nn.Module | None, config: ViaSDConfig, do_sample: 
 
 def convertible(drafter: nn.Module) -> bool:
     """An unquantised model on CPU in a form that is measured (float64 stays: it asks for exactness, not speed)."""
-    dtypes = {form.dtype for form in UNQUANTIZED.values()}
-    return getattr(drafter, "hf_quantizer", None) is None and drafter.device.type == "cpu" and drafter.dtype in dtypes
+    if getattr(drafter, "hf_quantizer", None) is not None or drafter.device.type != "cpu":
+        return False
+    if any(type(module).__module__.startswith("torch.ao.nn.quantized") for module in drafter.modules()):
+        return False  # quantised after loading (torch.ao's dynamic int8)
+    return drafter.dtype in {form.dtype for form in UNQUANTIZED.values()}
 
 
 def fastest_form(drafter: nn.Module) -> nn.Module:
