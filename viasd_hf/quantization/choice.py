@@ -221,11 +221,13 @@ def resolve_quantization(
     return QuantizationChoice(AUTO, FORMS[name], reason, tuple(measurements))
 
 
-def resolve_dtype(subject: str | nn.Module, **measure_kwargs: Any) -> QuantizationChoice:
-    """The unquantised form a model runs fastest in on this machine (fp32, bf16, or fp16 where native), measured
-    once: for ``load_pretrained(dtype="auto")`` and a drafter in memory. ``measure_kwargs`` go to
-    :func:`cached_measure`."""
-    measurements = cached_measure(subject, unquantized_candidates(), **measure_kwargs)
+def resolve_dtype(
+    subject: str | nn.Module, candidates: Sequence[str] = ("fp32",), **measure_kwargs: Any
+) -> QuantizationChoice:
+    """The unquantised form a model runs fastest in on this machine, bf16 or one of ``candidates``, measured once:
+    fp32 or bf16 for ``load_pretrained(dtype="auto")`` (fp16's narrow range could change a target's output), any
+    of :func:`unquantized_candidates` for a drafter in memory. ``measure_kwargs`` go to :func:`cached_measure`."""
+    measurements = cached_measure(subject, list(candidates), **measure_kwargs)
     name, reason = fastest_unquantized(measurements)
     return QuantizationChoice(AUTO, FORMS[name], reason, tuple(measurements))
 
