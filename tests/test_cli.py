@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import transformers
+from huggingface_hub import constants
 
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask, models
@@ -68,7 +69,10 @@ def assert_refused(argv: list[str], message: str, code: int = 2) -> None:
     assert err.startswith(message), (argv, err)
 
 
-def test_bench_checks_its_arguments_before_loading_models(no_models, files, tmp_path):
+def test_bench_checks_its_arguments_before_loading_models(no_models, files, tmp_path, monkeypatch):
+    # offline, as the suite runs, whatever this shell exports: a Hub id missing from the cache is then refused up
+    # front; online it is the Hub's to answer, when the model loads (huggingface_hub reads the variable at import)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     ok = ["bench", "--target", SMALL, "--drafter", SMALL, "--methods", "greedy,hf_assisted"]
     prompts = ["--prompts", str(files["prompts.jsonl"])]
     error = "viasd bench: error: "

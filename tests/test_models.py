@@ -143,7 +143,7 @@ def _save_tiny_hf_model(path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "expected"),
-    [(None, torch.float32), ("bfloat16", torch.bfloat16), (torch.float16, torch.float16), ("auto", torch.float32)],
+    [(None, torch.float32), ("bfloat16", torch.bfloat16), (torch.float16, torch.float16)],
 )
 def test_local_folder_passes_through(tmp_path: Path, dtype, expected: torch.dtype) -> None:
     _save_tiny_hf_model(tmp_path)

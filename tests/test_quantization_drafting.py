@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -66,13 +67,14 @@ def test_choosing_a_drafter_needs_a_judge():
         choose_drafter([Measurement("bf16", decode_ratio=1.0, top1=0.9), Measurement("bnb-4bit", decode_ratio=0.5, top1=0.8)])
 
 
-def test_a_drafter_is_measured_against_its_target(tmp_path):
+def test_a_drafter_is_measured_against_its_target(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIASD_HOME", str(tmp_path / "home"))  # where the batch-invariance verdicts go
     drafter = save_tiny(tmp_path / "drafter", seed=1, num_hidden_layers=2)
     target = save_tiny(tmp_path / "target", seed=2, num_hidden_layers=8)
-    options = MeasureOptions(context=16, repeats=1, threads=1, judge=str(target))
+    alone = MeasureOptions(context=16, repeats=1, threads=1, screen_margin=float("inf"), losing=float("inf"))
     windows = [tiny_ids(seed) for seed in range(2)]
     on_self, on_target = (measure(str(drafter), AVAILABLE[:1], o, windows=windows, progress=False)[0]
-                          for o in (MeasureOptions(context=16, repeats=1, threads=1), options))  # fmt: skip
+                          for o in (alone, dataclasses.replace(alone, judge=str(target))))  # fmt: skip
     assert on_self.judge_bytes is None and on_self.top1 > 0.8
     assert on_target.top1 < 0.5, "two unrelated random models rarely agree"
     assert 0.2 < on_target.judge_bytes < 1.0
@@ -93,7 +95,8 @@ def test_auto_for_a_drafter_is_measured_against_its_target_and_cached_apart(tmp_
         judges.append(options.judge)
         if options.judge is None:
             return [judged("bf16", 1.0, 0.99, None), *(judged(s, 0.5, 0.5, None) for s in schemes)]
-        return [judged("bf16", 1.0, 0.75), *(judged(s, 0.5, 0.72) for s in schemes)]
+        assert schemes[0] == "fp32", "a drafter's unquantised forms are candidates too"
+        return [judged("bf16", 1.0, 0.75), judged("fp32", 1.4, 0.75), *(judged(s, 0.5, 0.72) for s in schemes[1:])]
 
     monkeypatch.setattr(quantization_choice, "measure", fake_measure)
     as_drafter = resolve_quantization("some-drafter", AUTO, draft_for="some-target")

@@ -23,6 +23,7 @@ CONFIDENCE_SIGNALS = ("ratio", "probability")
 TIER_SWITCHING = ("auto", "measured", "fixed")
 ATTENTION_KERNELS = ("auto", "measured", "model")
 VOCABULARY_TIERS = ("drafter", "slim")
+DRAFTER_PRECISIONS = ("auto", "as_loaded")
 
 
 def _wrong_type(name: str, expected: str, value: Any) -> TypeError:
@@ -87,6 +88,11 @@ class ViaSDConfig(HubMixin):
     draft, while speculating is measured slower on this machine, and speculation is probed now and then
     (``viasd_hf.fallback``), so VIA-SD is not slower than plain decoding wherever speculation cannot pay.
     ``False`` speculates on every block, for instance to study a drafter.
+
+    ``drafter_precision``: ``"auto"`` lets lossless greedy decoding draft with a copy of an assistant model
+    in the unquantised form (fp32, bf16, fp16) measured fastest on this machine, made once per drafter
+    (``viasd_hf.drafter_precision``); its precision cannot change lossless greedy output. ``"as_loaded"``
+    drafts with the model as given, as tiered mode and sampling always do.
     """
 
     hub_filename = CONFIG_FILENAME
@@ -112,6 +118,7 @@ class ViaSDConfig(HubMixin):
     drafter_context: int | None = None  # see above: the most prompt tokens an assistant drafter reads; None: all
     runner_up: bool = True  # greedy: the full pass also verifies the drafter's second choice (see above)
     plain_fallback: bool = True  # decode plainly while speculation is measured slower (see above)
+    drafter_precision: str = "auto"  # lossless greedy: draft in the fastest form measured here, or "as_loaded"
 
     def __post_init__(self) -> None:
         if isinstance(self.routing_mask, dict):
@@ -147,6 +154,8 @@ class ViaSDConfig(HubMixin):
             )
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+        if self.drafter_precision not in DRAFTER_PRECISIONS:
+            raise ValueError(f"drafter_precision must be one of {DRAFTER_PRECISIONS}, got {self.drafter_precision!r}")
         if self.confidence not in CONFIDENCE_SIGNALS:
             raise ValueError(f"confidence must be one of {CONFIDENCE_SIGNALS}, got {self.confidence!r}")
         for name in ("tau_accept", "tau_escalate"):

@@ -42,6 +42,7 @@ from .cache import new_cache
 from .config import ViaSDConfig
 from .decoding import ViaSDDecoder
 from .draft_planner import StaticCosts
+from .drafter_precision import drafter_for_call
 from .drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
 from .hybrid_choice import CopyOrDraft
 from .mask_repo import default_masks_repo
@@ -225,6 +226,7 @@ def viasd_generate(
     drafter, viasd_streamer = _taken_from_generate(drafter, viasd_streamer)
     config = ViaSDConfig.for_call(viasd_config)
     check_supported(model, input_ids, generation_config, model_kwargs)
+    drafter = drafter_for_call(drafter, config, bool(generation_config.do_sample))
     state = initial_state(model, input_ids, model_kwargs)
     drafting_model = drafter if drafter is not None else (None if generation_config.prompt_lookup_num_tokens else model)
     vocabulary = resolve_vocabulary(config.vocabulary, model, _drafter_id(drafter))

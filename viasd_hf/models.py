@@ -7,17 +7,19 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .quantization import QuantizationError, resolve_quantization
+from .quantization import QuantizationError, resolve_dtype, resolve_quantization
 from .zoo import ZOO, resolve_zoo_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
+def _as_dtype(dtype: torch.dtype | str | None, name_or_path: str) -> torch.dtype:
     if dtype is None:
         return torch.float32
-    if isinstance(dtype, torch.dtype) or dtype == "auto":
+    if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return resolve_dtype(name_or_path).scheme.dtype
     if dtype in _DTYPES:
         return _DTYPES[dtype]
     raise ValueError(f"unsupported dtype {dtype!r}; use a torch.dtype or one of {[*_DTYPES, 'auto']}")
@@ -33,7 +35,9 @@ def load_pretrained(
     """Load a causal LM and its tokenizer from a zoo name, a local folder or a Hub id.
 
     ``dtype`` defaults to float32 (CPU-friendly and exact for the dequantized zoo
-    weights), or to the quantization scheme's own dtype; ``quantization`` names a
+    weights), or to the quantization scheme's own dtype; ``"auto"`` is float32 or
+    bfloat16, whichever this machine runs the model faster in (measured once, about a
+    minute, then cached: :func:`viasd_hf.quantization.resolve_dtype`); ``quantization`` names a
     scheme of :mod:`viasd_hf.quantization` (e.g. ``"bnb-4bit"``), an alias
     (``"int8"``, ``"4bit"``) or ``"auto"`` (the fastest scheme measured on this
     machine whose agreement with the unquantised model is acceptable; with ``draft_for``, the
@@ -51,8 +55,8 @@ def load_pretrained(
             raise QuantizationError("pass either quantization= (a scheme name) or quantization_config=, not both")
         scheme = resolve_quantization(name_or_path, quantization, draft_for=draft_for).scheme
         kwargs = scheme.from_pretrained_kwargs() | kwargs
-        dtype = scheme.dtype if dtype is None else dtype
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=_as_dtype(dtype), **kwargs)
+        dtype = scheme.dtype if dtype in (None, "auto") else dtype
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=_as_dtype(dtype, name_or_path), **kwargs)
     if scheme is not None:
         model = scheme.finish(model)
     tokenizer = AutoTokenizer.from_pretrained(source)

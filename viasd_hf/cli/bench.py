@@ -120,12 +120,13 @@ def _quantization(args: argparse.Namespace) -> dict[str, QuantizationChoice]:
 
 
 def _load_role(args: argparse.Namespace, role: str, quantized: dict[str, QuantizationChoice]):
-    """The target or drafter: in its chosen scheme, in bf16 when ``auto`` found no scheme worth it, else ``--dtype``."""
+    """The target or drafter: in its chosen scheme, in the unquantised form ``auto`` chose (bf16 when no scheme was
+    worth it), else ``--dtype``."""
     choice = quantized.get(role)
     if choice is None:
         return load_model(getattr(args, role), args.dtype, f"--{role}")
     if not choice.quantized:
-        return load_model(getattr(args, role), "bfloat16", f"--{role}")
+        return load_model(getattr(args, role), str(choice.scheme.dtype).removeprefix("torch."), f"--{role}")
     return load_model(getattr(args, role), args.dtype, f"--{role}", choice.scheme.name)
 
 

@@ -1,12 +1,25 @@
-"""``viasd profile``: the cost of a slim forward relative to a full one, measured on this machine."""
+"""``viasd profile``: the cost of a slim forward relative to a full one, or (``--precision``) which form a model
+runs fastest in, measured on this machine."""
 
 from __future__ import annotations
 
 import argparse
 
+from .. import zoo
 from ..masks import RoutingMask
 from ..profiling import cost_ratios, evenly_spaced_skip, forward_seconds
-from .args import DTYPES, check_model, load_model, positive_int, positive_ints, skip_fractions
+from ..quantization import AUTO, QuantizationChoice, markdown_table, resolve_dtype, resolve_quantization
+from .args import (
+    DTYPES,
+    CommandError,
+    UsageError,
+    check_model,
+    first_line,
+    load_model,
+    positive_int,
+    positive_ints,
+    skip_fractions,
+)
 
 
 def add_profile_command(subparsers: argparse._SubParsersAction) -> None:
@@ -19,12 +32,42 @@ def add_profile_command(subparsers: argparse._SubParsersAction) -> None:
     profile.add_argument("--context", type=positive_int, default=300, help="tokens already in the KV cache")
     profile.add_argument("--blocks", type=positive_ints, default="1,6", help="new tokens per timed forward")
     profile.add_argument("--repeats", type=positive_int, default=7)
+    profile.add_argument("--precision", action="store_true",
+                         help="instead: the forms --target was measured in on this machine and the one dtype=auto "
+                              "picks (measured on first use, then read from the cache)")
+    profile.add_argument("--draft-for", metavar="TARGET",
+                         help="with --precision: --target drafts for TARGET, so every form is measured and judged by "
+                              "TARGET, as --quantize drafter=auto chooses")
     profile.set_defaults(handler=run_profile_command)
 
 
+def _precision_choice(args: argparse.Namespace) -> QuantizationChoice:
+    try:
+        if args.draft_for:
+            return resolve_quantization(args.target, AUTO, draft_for=args.draft_for, print_table=False)
+        return resolve_dtype(args.target, print_table=False)
+    except (OSError, ValueError, zoo.ZooError) as error:
+        raise CommandError(f"--target {args.target}: could not measure the model: {first_line(error)}") from error
+
+
+def print_precision(args: argparse.Namespace) -> int:
+    """The table the precision choice for --target rests on, and the choice."""
+    choice = _precision_choice(args)
+    print(markdown_table(choice.measurements))
+    print(f"\nauto → {choice.scheme.name}: {choice.reason}")
+    return 0
+
+
 def run_profile_command(args: argparse.Namespace) -> int:
-    """Time full and evenly spaced slim forwards, and print their costs as a Markdown table."""
+    """Time full and evenly spaced slim forwards, and print their costs as a Markdown table (or, with --precision,
+    the precision table)."""
     check_model(args.target, "--target")
+    if args.draft_for:
+        if not args.precision:
+            raise UsageError("--draft-for: only with --precision")
+        check_model(args.draft_for, "--draft-for")
+    if args.precision:
+        return print_precision(args)
     model, _ = load_model(args.target, args.dtype, "--target")
     masks: dict[str, RoutingMask | None] = {"full": None}
     for ratio in args.skip_ratios:

@@ -1,9 +1,11 @@
-"""Quantised tiers on CPU, loaded the way transformers users already do it (``quantization_config=``).
+"""The form a model runs in on CPU: unquantised (fp32, bf16, fp16) or quantised the way transformers users
+already do it (``quantization_config=``), chosen by measuring on this machine.
 
-:mod:`.schemes` names the formats, :mod:`.measure` times them next to bf16 and checks their
-agreement with the float32 model, and :mod:`.choice` decides what ``auto`` means on this machine
-(and caches why); for a drafter, :mod:`.drafting` decides it by how fast its target decodes with
-it. ``python -m viasd_hf.quantization --model NAME [--draft-for TARGET]`` prints the table.
+:mod:`.schemes` names the forms, :mod:`.measure` times them next to bf16 and checks their agreement
+with the float32 model, and :mod:`.choice` decides what ``auto`` means on this machine (and caches
+why); for a drafter, :mod:`.drafting` decides it by how fast its target decodes with it.
+:mod:`.invariance` measures whether a quantised scheme is batch-invariant here.
+``python -m viasd_hf.quantization --model NAME [--draft-for TARGET]`` prints the table.
 """
 
 from .choice import (
@@ -12,16 +14,20 @@ from .choice import (
     cached_measure,
     choose,
     choose_drafter,
+    fastest_unquantized,
     markdown_table,
+    resolve_dtype,
     resolve_quantization,
 )
 from .drafting import DraftingAcceptance
-from .measure import Measurement, MeasureOptions, measure
+from .measure import Measurement, MeasureOptions, measure, measure_in_memory
 from .schemes import (
     ALIASES,
     AUTO,
     BASELINE,
+    FORMS,
     SCHEMES,
+    UNQUANTIZED,
     QuantizationError,
     QuantizationUnavailableError,
     Scheme,
@@ -30,7 +36,8 @@ from .schemes import (
 )
 
 __all__ = [
-    "ALIASES", "AUTO", "BASELINE", "SCHEMES", "Acceptance", "DraftingAcceptance", "Measurement", "MeasureOptions", "QuantizationChoice",
-    "QuantizationError", "QuantizationUnavailableError", "Scheme", "cached_measure", "choose", "choose_drafter", "get_scheme",
-    "markdown_table", "measure", "resolve_quantization", "scheme_names",
+    "ALIASES", "AUTO", "BASELINE", "FORMS", "SCHEMES", "UNQUANTIZED", "Acceptance", "DraftingAcceptance", "Measurement",
+    "MeasureOptions", "QuantizationChoice", "QuantizationError", "QuantizationUnavailableError", "Scheme", "cached_measure",
+    "choose", "choose_drafter", "fastest_unquantized", "get_scheme", "markdown_table", "measure", "measure_in_memory",
+    "resolve_dtype", "resolve_quantization", "scheme_names",
 ]  # fmt: skip

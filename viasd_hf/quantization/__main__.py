@@ -13,20 +13,21 @@ from .choice import (
     cached_measure,
     choose,
     choose_drafter,
-    cpu_identity,
-    library_version,
     markdown_table,
+    unquantized_candidates,
 )
+from .machine import cpu_identity, library_version
 from .measure import MeasureOptions
-from .schemes import SCHEMES
+from .schemes import FORMS, SCHEMES
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Measure the schemes on one model and print the table and the ``auto`` choice."""
     parser = argparse.ArgumentParser(prog="python -m viasd_hf.quantization", description=main.__doc__)
     parser.add_argument("--model", required=True, help="zoo name, local folder or Hub id")
-    parser.add_argument("--schemes", nargs="+", default=None, choices=list(SCHEMES),
-                        help="schemes to measure (default: all whose library is installed)")
+    parser.add_argument("--schemes", nargs="+", default=None, choices=list(FORMS),
+                        help="forms to measure besides bf16 (default: every scheme whose library is installed, and "
+                             "with --draft-for the unquantised forms too)")
     parser.add_argument("--repeats", type=int, default=MeasureOptions.repeats)
     parser.add_argument("--context", type=int, default=MeasureOptions.context)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -34,9 +35,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the model is a drafter for TARGET: judge agreement by TARGET and choose by its speed")
     parser.add_argument("--refresh", action="store_true", help="measure again even if cached")
     args = parser.parse_args(argv)
-    schemes = args.schemes or [name for name, s in SCHEMES.items() if s.available]
+    available = [name for name, s in SCHEMES.items() if s.available]
+    schemes = args.schemes or [*(unquantized_candidates() if args.draft_for else []), *available]
     options = MeasureOptions(context=args.context, repeats=args.repeats, threads=args.threads, judge=args.draft_for)
-    measurements = cached_measure(args.model, schemes, options, refresh=args.refresh)
+    measurements = cached_measure(args.model, schemes, options, refresh=args.refresh, print_table=False)
     cpu = cpu_identity()
     machine = f"{cpu['model']} ({cpu['id']}, {args.threads} threads, {', '.join(cpu['flags'])})"
     versions = ", ".join(f"{p} {library_version(p)}" for p in ("torch", "bitsandbytes", "torchao"))

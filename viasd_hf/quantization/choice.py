@@ -1,32 +1,35 @@
-"""Which scheme ``quantization=`` means on this machine: ``auto`` measures instead of guessing.
+"""Which form ``auto`` means on this machine: measured (:mod:`.measure`), never guessed.
 
-Which kernel wins depends on the CPU's instruction set and the library versions, so ``auto``
-measures every available scheme (:mod:`.measure`) and picks the fastest that :class:`Acceptance`
-allows, else bf16. The measurements are cached as JSON under ``$VIASD_HOME/quantization``, keyed
-by the model, the CPU, the thread count, the library versions and the measuring parameters, so a
-second ``auto`` is instant.
+Which kernel wins depends on the CPU's instruction set and the library versions. For a target,
+``quantization="auto"`` picks the fastest quantised scheme that :class:`Acceptance` allows, else bf16;
+``dtype="auto"`` the faster of fp32 and bf16. For a drafter, ``auto`` picks the form (unquantised or
+quantised) with which its target decodes fastest (:mod:`.drafting`), and a drafter already in memory
+runs in its fastest unquantised form (:func:`fastest_unquantized`). The measurements are cached as
+JSON under ``$VIASD_HOME/quantization``, keyed by the model (for one in memory, its architecture:
+speed depends on shapes, not weights), the CPU, the thread count, the library versions and the
+measuring parameters, so a second ``auto`` is instant.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
-import json
-import os
-import platform
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..zoo import ZOO, viasd_home, zoo_revision
-from .drafting import DraftingAcceptance, drafting_throughput
-from .measure import Measurement, MeasureOptions, measure
-from .schemes import ALIASES, AUTO, BASELINE, SCHEMES, Scheme, get_scheme
+from torch import nn
 
-CACHE_FORMAT = 2
-_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8", "asimd", "sve")
+from ..architectures import config_fingerprint, model_config
+from ..zoo import ZOO, zoo_revision
+from .drafting import DraftingAcceptance, drafting_throughput
+from .machine import LIBRARIES, cpu_identity, library_version, native_fp16, read_record, record_path, write_record
+from .measure import Measurement, MeasureOptions, measure, measure_in_memory
+from .schemes import ALIASES, AUTO, BASELINE, FORMS, SCHEMES, UNQUANTIZED, Scheme, get_scheme
+
+CACHE_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Acceptance:
     Its next-token argmax may differ from the unquantised model's at no more than one position in
     ten, its mean KL stays below 0.1 nat, it must be at least 10 % faster than bf16 (a smaller gain
     is within the run-to-run noise of a busy machine and not worth the agreement it costs), and it
-    must be batch-invariant (:attr:`Scheme.batch_invariant`), so lossless VIA-SD stays lossless.
+    must be batch-invariant on this machine (:mod:`.invariance`), so lossless VIA-SD stays lossless.
     """
 
     min_top1: float = 0.90
@@ -49,7 +52,7 @@ class Acceptance:
         if m.error:
             return m.error
         reasons = []
-        if self.require_batch_invariant and not SCHEMES[m.scheme].batch_invariant:
+        if self.require_batch_invariant and not m.batch_invariant:
             reasons.append("not batch-invariant")
         if m.top1 < self.min_top1:
             reasons.append(f"top-1 agreement {m.top1:.3f} < {self.min_top1}")
@@ -71,14 +74,18 @@ class QuantizationChoice:
 
     @property
     def quantized(self) -> bool:
-        return self.scheme is not BASELINE
+        return self.scheme.name in SCHEMES
 
 
 def _fastest_allowed(
-    measurements: Sequence[Measurement], rejects: Callable[[Measurement], str | None], speed: Callable[[Measurement], float]
+    measurements: Sequence[Measurement],
+    rejects: Callable[[Measurement], str | None],
+    speed: Callable[[Measurement], float],
+    candidates: Collection[str] = FORMS,
 ) -> tuple[Measurement | None, str]:
-    """The fastest quantised measurement that ``rejects`` lets through (None if none does), and why the others may not."""
-    verdicts = {m.scheme: rejects(m) for m in measurements if m.scheme != BASELINE.name}
+    """The fastest of the ``candidates`` measured besides bf16 that ``rejects`` lets through (None if none does), and
+    why the others may not."""
+    verdicts = {m.scheme: rejects(m) for m in measurements if m.scheme != BASELINE.name and m.scheme in candidates}
     allowed = [m for m in measurements if m.scheme in verdicts and verdicts[m.scheme] is None]
     rejected = "; ".join(f"{name}: {why}" for name, why in verdicts.items() if why)
     return max(allowed, key=speed, default=None), rejected
@@ -86,7 +93,7 @@ def _fastest_allowed(
 
 def choose(measurements: Sequence[Measurement], acceptance: Acceptance = Acceptance()) -> tuple[str, str]:
     """``(scheme name, reason)``: the fastest scheme ``acceptance`` allows, else bf16."""
-    best, rejected = _fastest_allowed(measurements, acceptance.rejects, lambda m: 1 / m.cost)
+    best, rejected = _fastest_allowed(measurements, acceptance.rejects, lambda m: 1 / m.cost, SCHEMES)
     if best is None:
         return BASELINE.name, f"no quantised scheme qualifies ({rejected})"
     reason = f"the fastest that qualifies, {1 / best.cost:.2f}× the speed of bf16"
@@ -96,44 +103,37 @@ def choose(measurements: Sequence[Measurement], acceptance: Acceptance = Accepta
 def choose_drafter(
     measurements: Sequence[Measurement], acceptance: DraftingAcceptance = DraftingAcceptance()
 ) -> tuple[str, str]:
-    """``(scheme name, reason)``: the scheme with which the judge decodes fastest (:mod:`.drafting`), if
+    """``(form name, reason)``: the form with which the judge decodes fastest (:mod:`.drafting`), if
     ``acceptance`` allows it, else bf16."""
     baseline = next(m for m in measurements if m.scheme == BASELINE.name)
     if baseline.judge_bytes is None:
         raise ValueError("a drafter's measurements must be judged by its target (MeasureOptions.judge)")
     best, rejected = _fastest_allowed(measurements, lambda m: acceptance.rejects(m, baseline), drafting_throughput)
     if best is None:
-        return BASELINE.name, f"no quantised drafter qualifies ({rejected})"
+        return BASELINE.name, f"no other form qualifies ({rejected})"
     gain = drafting_throughput(best) / drafting_throughput(baseline)
     reason = (f"its target decodes {gain:.2f}× as fast as with the bf16 drafter (target agreement {best.top1:.3f} "
               f"vs {baseline.top1:.3f}, pass {best.decode_ratio:.2f}× bf16)")  # fmt: skip
     return best.scheme, reason + (f" (not: {rejected})" if rejected else "")
 
 
-def cpu_identity() -> dict[str, Any]:
-    """The CPU model and the instruction-set extensions quantised kernels dispatch on."""
-    info: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = set(info.get("flags", info.get("Features", "")).split())
-    model = info.get("model name") or platform.processor() or platform.machine()
-    ids = [info.get(k) for k in ("cpu family", "model", "stepping")]
-    return {"model": model, "id": "/".join(i for i in ids if i), "flags": sorted(flags.intersection(_CPU_FLAGS)),
-            "cpus": os.cpu_count()}  # fmt: skip
+def fastest_unquantized(measurements: Sequence[Measurement]) -> tuple[str, str]:
+    """``(form name, reason)``: the unquantised form whose passes are fastest (bf16 on a tie)."""
+    timed = [m for m in measurements if m.scheme in UNQUANTIZED and m.decode_ratio is not None]
+    best = min(timed, key=lambda m: (m.cost, m.scheme != BASELINE.name))
+    others = ", ".join(f"{m.scheme} {m.cost / best.cost:.2f}×" for m in timed if m is not best)
+    return best.scheme, f"its passes are the fastest of the unquantised forms ({others or 'the only one'})"
 
 
-def library_version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def unquantized_candidates() -> list[str]:
+    """fp32, and fp16 where the CPU computes in it (bf16, the baseline, is always measured)."""
+    return ["fp32", *(["fp16"] if native_fp16() else [])]
 
 
-def _model_identity(name_or_path: str) -> str:
+def _model_identity(subject: str | nn.Module) -> str:
+    if isinstance(subject, nn.Module):
+        return f"{model_config(subject).model_type}-architecture-{config_fingerprint(subject)}"
+    name_or_path = subject
     if name_or_path in ZOO and not Path(name_or_path).is_dir():
         return f"{name_or_path}@{zoo_revision(name_or_path)}"
     path = Path(name_or_path)
@@ -143,48 +143,51 @@ def _model_identity(name_or_path: str) -> str:
     return name_or_path
 
 
-def cache_key(name_or_path: str, schemes: Sequence[str], options: MeasureOptions) -> dict[str, Any]:
+def cache_key(subject: str | nn.Module, schemes: Sequence[str], options: MeasureOptions) -> dict[str, Any]:
     return {
         "format": CACHE_FORMAT,
-        "model": _model_identity(name_or_path),
+        "model": _model_identity(subject),
         "schemes": list(schemes),
         "cpu": cpu_identity(),
-        "versions": {p: library_version(p) for p in ("torch", "transformers", "bitsandbytes", "torchao")},
+        "versions": {p: library_version(p) for p in LIBRARIES},
         "options": asdict(options),
     }
 
 
 def cache_path(key: dict[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    stem = "".join(c if c.isalnum() or c in "-._" else "_" for c in Path(key["model"]).name)
-    return viasd_home() / "quantization" / f"{stem}-{digest}.json"
+    return record_path(key, Path(key["model"]).name)
 
 
 def cached_measure(
-    name_or_path: str,
+    subject: str | nn.Module,
     schemes: Sequence[str] | None = None,
     options: MeasureOptions | None = None,
     refresh: bool = False,
     progress: bool = True,
+    print_table: bool = True,
     **measure_kwargs: Any,
 ) -> list[Measurement]:
-    """:func:`measure`, read from ``$VIASD_HOME/quantization`` when this machine measured it before."""
+    """:func:`measure` of a checkpoint (a zoo name, folder or Hub id) or :func:`measure_in_memory` of a model, read
+    from ``$VIASD_HOME/quantization`` when this machine measured it before. What it measures now it prints (on
+    stderr) unless ``print_table`` is False or ``progress`` is, so a minute's wait shows what it bought."""
     options = options or MeasureOptions()
     names = list(schemes if schemes is not None else SCHEMES)
-    key = cache_key(name_or_path, names, options)
+    key = cache_key(subject, names, options)
     path = cache_path(key)
-    if path.is_file() and not refresh:
+    record = None if refresh else read_record(path)
+    if record is not None:
         try:
-            return [Measurement(**m) for m in json.loads(path.read_text())["measurements"]]
-        except (ValueError, TypeError, KeyError):
+            return [Measurement(**m) for m in record["measurements"]]
+        except (TypeError, KeyError):
             pass  # unreadable (e.g. edited by hand): measure again and overwrite it
-    measurements = measure(name_or_path, names, options, progress=progress, **measure_kwargs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "measurements": [asdict(m) for m in measurements]}  # fmt: skip
-    partial = path.with_suffix(f".partial-{os.getpid()}")
-    partial.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(partial, path)
+    if isinstance(subject, nn.Module):
+        measurements = measure_in_memory(subject, names, options, progress=progress)
+    else:
+        measurements = measure(subject, names, options, progress=progress, **measure_kwargs)
+    if progress and print_table:
+        print(f"{key['model']} on {key['cpu']['model']}:\n{markdown_table(measurements)}", file=sys.stderr)
+    write_record(path, {"key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "measurements": [asdict(m) for m in measurements]})  # fmt: skip
     return measurements
 
 
@@ -210,36 +213,56 @@ def resolve_quantization(
     available = [name for name, s in SCHEMES.items() if s.available]
     if draft_for is not None:
         options = replace(measure_kwargs.pop("options", None) or MeasureOptions(), judge=draft_for)
-        measurements = cached_measure(name_or_path, available, options, **measure_kwargs)
+        measurements = cached_measure(name_or_path, [*unquantized_candidates(), *available], options, **measure_kwargs)
         name, reason = choose_drafter(measurements)
     else:
         measurements = cached_measure(name_or_path, available, **measure_kwargs)
         name, reason = choose(measurements, acceptance)
-    return QuantizationChoice(AUTO, SCHEMES.get(name, BASELINE), reason, tuple(measurements))
+    return QuantizationChoice(AUTO, FORMS[name], reason, tuple(measurements))
+
+
+def resolve_dtype(
+    subject: str | nn.Module, candidates: Sequence[str] = ("fp32",), **measure_kwargs: Any
+) -> QuantizationChoice:
+    """The unquantised form a model runs fastest in on this machine, bf16 or one of ``candidates``, measured once:
+    fp32 or bf16 for ``load_pretrained(dtype="auto")`` (fp16's narrow range could change a target's output), any
+    of :func:`unquantized_candidates` for a drafter in memory. ``measure_kwargs`` go to :func:`cached_measure`."""
+    measurements = cached_measure(subject, list(candidates), **measure_kwargs)
+    name, reason = fastest_unquantized(measurements)
+    return QuantizationChoice(AUTO, FORMS[name], reason, tuple(measurements))
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _verdict(m: Measurement, baseline: Measurement, judged: bool, acceptance: Acceptance) -> str:
+    """What ``auto`` makes of one row: a quantised scheme by ``acceptance``, a judged drafter by its target's speed,
+    an unquantised form by its speed alone (:func:`fastest_unquantized`)."""
+    if m.scheme == BASELINE.name:
+        return "baseline"
+    if judged:
+        why = DraftingAcceptance().rejects(m, baseline)
+    else:
+        why = acceptance.rejects(m) if m.scheme in SCHEMES else m.error
+    return "yes" if why is None else f"no: {why}"
 
 
 def markdown_table(measurements: Sequence[Measurement], acceptance: Acceptance = Acceptance()) -> str:
-    """Per scheme: ms per decode and verify pass, ratios to bf16, agreement, and whether ``auto`` may pick it.
+    """Per form: ms per layer, decode and verify pass, ratios to bf16, agreement, and whether ``auto`` may pick it.
 
     Measurements judged by a target (a drafter's) add how fast the target decodes with each, and are
     ruled on by :class:`.drafting.DraftingAcceptance` instead of ``acceptance``."""
-    baseline = next((m for m in measurements if m.scheme == BASELINE.name and not m.error), None)
-    judged = baseline is not None and baseline.judge_bytes is not None
+    baseline = next(m for m in measurements if m.scheme == BASELINE.name)
+    judged = baseline.judge_bytes is not None
     agreement = "top-1 with target | KL from target | target speed" if judged else "top-1 | KL"
-    rows = [f"| scheme | decode ms | × bf16 | verify ms | × bf16 | {agreement} | auto may pick |",
-            "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if judged else "") + "---|"]  # fmt: skip
+    rows = [f"| form | layer ms | decode ms | × bf16 | verify ms | × bf16 | {agreement} | auto may pick |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if judged else "") + "---|"]  # fmt: skip
     for m in measurements:
-        if m.error:
-            rows.append(f"| {m.scheme} | — | — | — | — | — | — |{' — |' if judged else ''} no: {m.error} |")
-            continue
-        if m.scheme == BASELINE.name:
-            why = None
-        else:
-            why = DraftingAcceptance().rejects(m, baseline) if judged else acceptance.rejects(m)
-        verdict = "baseline" if m.scheme == BASELINE.name else "yes" if why is None else f"no: {why}"
-        speed = f" {drafting_throughput(m) / drafting_throughput(baseline):.2f}× |" if judged else ""
-        rows.append(
-            f"| {m.scheme} | {m.decode_ms:.0f} | {m.decode_ratio:.2f} | {m.verify_ms:.0f} | {m.verify_ratio:.2f} | "
-            f"{m.top1:.3f} | {m.kl:.4f} |{speed} {verdict} |"
-        )
+        speed = None if m.error or not judged else drafting_throughput(m) / drafting_throughput(baseline)
+        cells = [m.scheme, _cell(m.layer_ms, ".2f"), _cell(m.decode_ms, ".0f"), _cell(m.decode_ratio, ".2f"),
+                 _cell(m.verify_ms, ".0f"), _cell(m.verify_ratio, ".2f"), _cell(m.top1, ".3f"), _cell(m.kl, ".4f"),
+                 *([_cell(speed, ".2f") + ("×" if speed else "")] if judged else []),
+                 _verdict(m, baseline, judged, acceptance)]  # fmt: skip
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

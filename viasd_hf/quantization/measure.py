@@ -1,43 +1,61 @@
-"""Measuring a scheme on one model: speed next to bf16 and agreement with the float32 model.
+"""Measuring the forms of one model on this machine: speed next to bf16, agreement with float32, quickly.
 
-Every scheme is loaded in turn next to the unquantised bf16 model, timed in rounds alternating
-with it (1-token decode passes and ``verify_tokens``-token verify passes over a KV cache of
-``context`` tokens, so both see the same machine load) and compared with the unquantised float32
-model on a few Spec-Bench prompts, or, for a drafter, with the float32 *target* it drafts for
-(``MeasureOptions.judge``): a drafter's output only matters through what its target keeps.
+``auto`` measures on first use, so the work is cut to what can decide it:
+
+1. *screen*: one MLP layer of the model's width (:mod:`.probe`, loaded in a second) times a one-token
+   pass in each form; a form over ``screen_margin`` times slower than the fastest cannot win and is not
+   loaded (bitsandbytes' CPU kernels without AVX512-BF16, say), which saves its minutes of quantising;
+2. *rounds*: the model in each remaining form, and in bf16 (the baseline of every ratio), times 1-token
+   decode passes and ``verify_tokens``-token verify passes over a KV cache of ``context`` tokens, the
+   forms interleaved so all see the same machine load; from ``min_rounds`` on, a form whose passes take
+   over ``losing`` times the fastest's stops;
+3. *agreement*: the forms that ran every round are compared with the float32 model on a few Spec-Bench
+   prompts or, for a drafter, with the float32 *target* it drafts for (``MeasureOptions.judge``): a
+   drafter's output only matters through what its target keeps.
+
+A model can be measured from its checkpoint (every form) or, in memory, in its unquantised forms.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
-import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, DynamicCache, PretrainedConfig
 
 from ..cache import crop_to
 from ..calibration import encode_prompt, spec_bench_prompts, split_prompts
 from ..zoo import ZOO, resolve_zoo_model
-from .schemes import BASELINE, SCHEMES, QuantizationError, Scheme, get_scheme
+from .invariance import batch_invariant
+from .probe import probe_checkpoint, probe_mlp
+from .schemes import BASELINE, FORMS, SCHEMES, UNQUANTIZED, QuantizationError, Scheme, load_in
+
+Loader = Callable[[Scheme | None], nn.Module]  # the model in a form; None: the float32 reference
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """One scheme on one model: speed relative to bf16, and agreement with the unquantised float32 model.
+    """One form of one model: speed relative to bf16, and agreement with the float32 model.
 
-    ``decode_ms`` / ``verify_ms`` are medians of 1-token and ``verify_tokens``-token passes over a
-    KV cache of ``context`` tokens; the ratios compare them with bf16 passes timed alternately in
-    the same rounds. ``top1`` is the share of positions whose argmax matches the float32 model and
-    ``kl`` the mean KL(float32 ‖ scheme) of the next-token distributions, teacher-forced on the
-    calibration prompts. With a judge, both compare with the judge's float32 model instead, and
-    ``judge_bytes`` is the bytes a bf16 pass of this model reads per byte a bf16 pass of the judge
-    reads (a drafter pass in verifying passes, as ``draft_planner.StaticCosts`` prices it).
+    ``layer_ms`` is the screen's one-token pass of one MLP layer. ``decode_ms`` / ``verify_ms`` are
+    the fastest of the rounds' 1-token and ``verify_tokens``-token passes over a KV cache of
+    ``context`` tokens (the least disturbed by other work); the ratios compare them with bf16 passes
+    timed in the same rounds. ``top1`` is the share of positions
+    whose argmax matches the float32 model and ``kl`` the mean KL(float32 ‖ form) of the next-token
+    distributions, teacher-forced on the calibration prompts. With a judge, both compare with the
+    judge's float32 model instead, and ``judge_bytes`` is the bytes a bf16 pass of this model reads
+    per byte a bf16 pass of the judge reads (a drafter pass in verifying passes, as
+    ``draft_planner.StaticCosts`` prices it). ``batch_invariant`` is a quantised scheme's verdict on
+    this machine (:mod:`.invariance`). ``error`` says why a form has no agreement: it failed, the
+    screen ruled it out, or it stopped early, clearly slower (its timings are then kept).
     """
 
     scheme: str
@@ -48,6 +66,8 @@ class Measurement:
     top1: float | None = None
     kl: float | None = None
     judge_bytes: float | None = None
+    batch_invariant: bool | None = None
+    layer_ms: float | None = None
     error: str | None = None
 
     @property
@@ -58,39 +78,42 @@ class Measurement:
 
 @dataclass(frozen=True)
 class MeasureOptions:
-    """What is measured; part of the cache key."""
+    """What is measured, and when a form is given up; part of the cache key."""
 
     prompts: int = 4
     prompt_tokens: int = 96
     context: int = 256
     verify_tokens: int = 6
-    repeats: int = 5
+    repeats: int = 5  # rounds at most
+    min_rounds: int = 2  # before a form may be stopped as losing
+    losing: float = 1.3  # a form whose passes take this many times the fastest's stops
+    screen_margin: float = 2.0  # a form whose layer pass takes this many times the fastest's is not loaded
     threads: int = field(default_factory=torch.get_num_threads)
     judge: str | None = None  # agreement with this model (a drafter's target) instead of the model's own float32
 
 
-def _source(name_or_path: str) -> str | Path:
+def source_of(name_or_path: str) -> str | Path:
+    """Where a zoo name's checkpoint lives (fetched on first use); anything else as it is."""
     return resolve_zoo_model(name_or_path) if name_or_path in ZOO and not Path(name_or_path).is_dir() else name_or_path
-
-
-def _load(source: str | Path, scheme: Scheme | None) -> PreTrainedModel:
-    """``scheme`` None: the unquantised float32 reference."""
-    dtype = scheme.dtype if scheme else torch.float32
-    kwargs = scheme.from_pretrained_kwargs() if scheme else {}
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).eval()
-    return scheme.finish(model) if scheme else model
 
 
 def calibration_windows(name_or_path: str, options: MeasureOptions) -> list[torch.Tensor]:
     """A few Spec-Bench prompts, one per category, as the model's chat template renders them."""
-    tokenizer = AutoTokenizer.from_pretrained(_source(name_or_path))
-    if options.judge and AutoTokenizer.from_pretrained(_source(options.judge)).get_vocab() != tokenizer.get_vocab():
+    tokenizer = AutoTokenizer.from_pretrained(source_of(name_or_path))
+    if options.judge and AutoTokenizer.from_pretrained(source_of(options.judge)).get_vocab() != tokenizer.get_vocab():
         raise QuantizationError(
             f"{name_or_path} and {options.judge} tokenize differently: a drafter can only be judged by a target that "
             "shares its tokenizer; measure it without a judge"
         )
     prompts, _ = split_prompts(spec_bench_prompts(), options.prompts, 0)
     return [torch.tensor([encode_prompt(tokenizer, p.text, options.prompt_tokens)]) for p in prompts]
+
+
+def random_windows(config: PretrainedConfig, options: MeasureOptions) -> list[torch.Tensor]:
+    """Token windows for a model without a tokenizer at hand (one in memory): agreement on them is only indicative."""
+    vocabulary = config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(vocabulary, (1, options.prompt_tokens), generator=generator) for _ in range(options.prompts)]
 
 
 @torch.no_grad()
@@ -120,12 +143,14 @@ class _Timed:
     """A loaded model with a KV cache of the context: times decode and verify passes, cropping back after each."""
 
     def __init__(self, model: nn.Module, context: torch.Tensor, block: torch.Tensor) -> None:
-        self.model, self.context, self.block, self.length = model, context, block, context.shape[1]
+        self.model, self.block, self.length = model, block, context.shape[1]
         self.cache = DynamicCache(config=model.config)
         self.decode: list[float] = []
         self.verify: list[float] = []
         with torch.no_grad():
             model(context, past_key_values=self.cache, use_cache=True)
+        self._time(block[:, :1])  # warm-up
+        self._time(block)
 
     @torch.no_grad()
     def _time(self, ids: torch.Tensor) -> float:
@@ -135,16 +160,16 @@ class _Timed:
         crop_to(self.cache, self.length)
         return elapsed
 
-    def round(self) -> tuple[float, float]:
-        return self._time(self.block[:, :1]), self._time(self.block)
-
     def timed_round(self) -> None:
-        decode, verify = self.round()
-        self.decode.append(decode)
-        self.verify.append(verify)
+        self.decode.append(self._time(self.block[:, :1]))
+        self.verify.append(self._time(self.block))
 
-    def medians_ms(self, since: int = 0) -> tuple[float, float]:
-        return 1e3 * statistics.median(self.decode[since:]), 1e3 * statistics.median(self.verify[since:])
+    def best_ms(self) -> tuple[float, float]:
+        """The fastest decode and verify pass: the one least disturbed by other work on the machine."""
+        return 1e3 * min(self.decode), 1e3 * min(self.verify)
+
+    def pass_ms(self) -> float:
+        return sum(self.best_ms()) / 2
 
 
 def _context(windows: Sequence[torch.Tensor], options: MeasureOptions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,26 +180,145 @@ def _context(windows: Sequence[torch.Tensor], options: MeasureOptions) -> tuple[
     return ids[:, : options.context], ids[:, options.context :]
 
 
-def _measure_scheme(
-    source: str | Path,
-    scheme: Scheme,
-    reference: Sequence[torch.Tensor],
-    windows: Sequence[torch.Tensor],
-    baseline: _Timed,
-    options: MeasureOptions,
-) -> dict[str, float]:
-    """Agreement, then ``repeats`` rounds alternating with ``baseline`` (who goes first alternates too)."""
-    model = _load(source, scheme)
-    result = _agreement(reference, model, windows)
-    timed = _Timed(model, baseline.context, baseline.block)
-    timed.round()  # warm-up
-    since = len(baseline.decode)
+def _failure(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0][:300]
+
+
+@torch.no_grad()
+def _layer_ms(mlp: nn.Module, width: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    row = torch.randn(1, 1, width, generator=torch.Generator().manual_seed(0)).to(dtype)
+    mlp(row)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mlp(row)
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def screen(config: PretrainedConfig, names: Sequence[str]) -> dict[str, float | str]:
+    """Per form, its one-token pass of one MLP layer of the model's width in ms, or why it failed to run."""
+    text = config.get_text_config()
+    results: dict[str, float | str] = {}
+    with probe_checkpoint(text.hidden_size, text.intermediate_size) as folder:
+        for name in names:
+            try:
+                form = FORMS[name]
+                results[name] = _layer_ms(probe_mlp(load_in(folder, form)), text.hidden_size, form.dtype)
+            except Exception as error:  # noqa: BLE001 — a form that cannot run on this machine is a result
+                results[name] = _failure(error)
+            gc.collect()
+    return results
+
+
+def ruled_out_by_screen(layer: dict[str, float | str], margin: float) -> dict[str, str]:
+    """Why each form is not loaded: it failed the screen, or its layer pass is over ``margin`` times the fastest."""
+    fastest = min((ms for ms in layer.values() if isinstance(ms, float)), default=None)
+    reasons = {}
+    for name, ms in layer.items():
+        if isinstance(ms, str):
+            reasons[name] = ms
+        elif name != BASELINE.name and ms > margin * fastest:
+            reasons[name] = f"ruled out: its layer pass takes {ms / fastest:.1f}× the fastest form's"
+    return reasons
+
+
+def time_in_rounds(timed: dict[str, _Timed], options: MeasureOptions, bar: tqdm) -> dict[str, str]:
+    """Interleaved rounds (the order rotates); returns why each form that stopped early stopped."""
+    running, stopped = list(timed), {}
     for r in range(options.repeats):
-        for each in (timed, baseline) if r % 2 else (baseline, timed):
-            each.timed_round()
-    (decode, verify), (base_decode, base_verify) = timed.medians_ms(), baseline.medians_ms(since)
-    return result | {"decode_ms": decode, "verify_ms": verify,
-                     "decode_ratio": decode / base_decode, "verify_ratio": verify / base_verify}  # fmt: skip
+        for name in running[r % len(running) :] + running[: r % len(running)]:
+            timed[name].timed_round()
+        bar.update(1)
+        if r + 1 < options.min_rounds:
+            continue
+        fastest = min(timed[name].pass_ms() for name in running)
+        for name in list(running):
+            if name != BASELINE.name and timed[name].pass_ms() > options.losing * fastest:
+                running.remove(name)
+                stopped[name] = f"stopped after {r + 1} rounds: {timed[name].pass_ms() / fastest:.2f}× the fastest pass"
+    return stopped
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference(
+    load: Loader, judge: Loader | None, windows: Sequence[torch.Tensor], keep_fp32: bool
+) -> tuple[list[torch.Tensor], int | None, dict[str, nn.Module]]:
+    """The reference log-probs, the judge's parameter count (None without one) and, when ``keep_fp32``, the model's
+    own float32 reference as its fp32 form, so that it is not loaded twice."""
+    reference_model = (judge or load)(None)
+    reference = _log_probs(reference_model, windows)
+    judge_parameters = _parameter_count(reference_model) if judge else None
+    kept = {"fp32": reference_model} if keep_fp32 and not judge else {}
+    return reference, judge_parameters, kept
+
+
+def _loaded_and_timed(
+    load: Loader, names: Sequence[str], models: dict[str, nn.Module], ids: tuple[torch.Tensor, torch.Tensor], bar: tqdm
+) -> tuple[dict[str, _Timed], dict[str, str]]:
+    """Each form loaded (into ``models``) with its KV cache of the context, and why those that failed did."""
+    timed, failed = {}, {}
+    for name in names:
+        try:
+            if name not in models:
+                models[name] = load(FORMS[name])
+            timed[name] = _Timed(models[name], *ids)
+        except Exception as error:  # noqa: BLE001 — a form that cannot run on this machine is a result
+            models.pop(name, None)
+            failed[name] = _failure(error)
+        bar.update(1)
+    if BASELINE.name not in timed:
+        raise QuantizationError(f"bf16, the baseline of every ratio, cannot run here: {failed[BASELINE.name]}")
+    return timed, failed
+
+
+def measure_forms(
+    load: Loader,
+    config: PretrainedConfig,
+    names: Sequence[str],
+    options: MeasureOptions,
+    windows: Sequence[torch.Tensor],
+    judge: Loader | None = None,
+    progress: bool = True,
+) -> list[Measurement]:
+    """bf16 and the forms ``names``, measured as the module says; ``judge`` loads the judge's float32 model."""
+    if not names:
+        raise QuantizationError("no forms to measure; name at least one of: " + ", ".join(FORMS))
+    names = [BASELINE.name, *(name for name in names if name != BASELINE.name)]
+    stages = 2 + len(names) + options.repeats  # the screen, the reference, each form's load, each round
+    with _threads(options.threads), tqdm(total=stages, desc="precision: measure", disable=not progress) as bar:
+        layer = screen(config, names)
+        ruled_out = ruled_out_by_screen(layer, options.screen_margin)
+        bar.update(1)
+        reference, judge_parameters, models = _reference(load, judge, windows, keep_fp32="fp32" in names)
+        bar.update(1)
+        loading = [name for name in names if name not in ruled_out]
+        timed, failed = _loaded_and_timed(load, loading, models, _context(windows, options), bar)
+        stopped = time_in_rounds(timed, options, bar)
+        judge_bytes = _parameter_count(models[BASELINE.name]) / judge_parameters if judge else None
+        base_decode, base_verify = timed[BASELINE.name].best_ms()
+        results = []
+        for name in names:
+            fields = {"layer_ms": layer[name] if isinstance(layer[name], float) else None, "judge_bytes": judge_bytes,
+                      "batch_invariant": batch_invariant(name) if name in SCHEMES and name in timed else None}
+            if name in timed:
+                decode, verify = timed[name].best_ms()
+                fields |= {"decode_ms": decode, "verify_ms": verify,
+                           "decode_ratio": decode / base_decode, "verify_ratio": verify / base_verify}  # fmt: skip
+            error = ruled_out.get(name) or failed.get(name) or stopped.get(name)
+            if error is None:
+                fields |= _agreement(reference, models[name], windows)
+            results.append(Measurement(scheme=name, error=error, **fields))
+        return results
 
 
 def measure(
@@ -184,42 +328,32 @@ def measure(
     windows: Sequence[torch.Tensor] | None = None,
     progress: bool = True,
 ) -> list[Measurement]:
-    """Measure the bf16 baseline and ``schemes`` (default: all) on one model.
+    """bf16 and ``schemes`` (default: every quantised scheme) of one checkpoint, as :func:`measure_forms` does.
 
-    The bf16 model stays loaded; each scheme is loaded in turn, timed in rounds alternating with
-    bf16 (so both see the same machine load), then freed, so memory holds two models at a time.
-    ``windows`` (token-id tensors of shape ``[1, n]``) default to :func:`calibration_windows`. A
-    scheme whose library is missing or that fails to load or run gets a measurement with ``error``.
+    ``windows`` (token-id tensors of shape ``[1, n]``) default to :func:`calibration_windows`.
     """
     options = options or MeasureOptions()
-    names = list(schemes) if schemes is not None else list(SCHEMES)
-    if not names:
-        raise QuantizationError("no schemes to measure; name at least one of: " + ", ".join(SCHEMES))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(options.threads)
-    try:
-        windows = list(windows) if windows is not None else calibration_windows(name_or_path, options)
-        source = _source(name_or_path)
-        judge = _load(_source(options.judge) if options.judge else source, None)
-        reference = _log_probs(judge, windows)
-        judge_parameters = _parameter_count(judge)
-        del judge
-        gc.collect()
-        context, block = _context(windows, options)
-        baseline_model = _load(source, BASELINE)
-        judge_bytes = _parameter_count(baseline_model) / judge_parameters if options.judge else None
-        results = {BASELINE.name: _agreement(reference, baseline_model, windows) | {"judge_bytes": judge_bytes}}
-        baseline = _Timed(baseline_model, context, block)
-        baseline.round()  # warm-up
-        for name in tqdm(names, desc="quantization: measure", unit="scheme", disable=not progress):
-            try:
-                results[name] = _measure_scheme(source, get_scheme(name), reference, windows, baseline, options)
-                results[name]["judge_bytes"] = judge_bytes
-            except Exception as error:  # noqa: BLE001 — a scheme that cannot run on this machine is a result
-                results[name] = {"error": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
-            gc.collect()  # the scheme's model is garbage now: free it before loading the next
-        decode, verify = baseline.medians_ms()
-        results[BASELINE.name] |= {"decode_ms": decode, "verify_ms": verify, "decode_ratio": 1.0, "verify_ratio": 1.0}
-        return [Measurement(scheme=name, **results[name]) for name in [BASELINE.name, *names]]
-    finally:
-        torch.set_num_threads(threads)
+    source = source_of(name_or_path)
+    windows = list(windows) if windows is not None else calibration_windows(name_or_path, options)
+    judge = (lambda _: load_in(source_of(options.judge), None)) if options.judge else None
+    return measure_forms(lambda form: load_in(source, form), AutoConfig.from_pretrained(source),
+                         list(schemes) if schemes is not None else list(SCHEMES), options, windows, judge, progress)
+
+
+def converted(model: nn.Module, form: Scheme | None) -> nn.Module:
+    """A copy of an unquantised model in another unquantised form (None: float32), or the model if it is in it."""
+    dtype = form.dtype if form else torch.float32
+    if form is not None and form.name not in UNQUANTIZED:
+        raise QuantizationError(f"{form.name} is made when a checkpoint loads; a model in memory converts to "
+                                f"{', '.join(UNQUANTIZED)} only")  # fmt: skip
+    return model if model.dtype == dtype else copy.deepcopy(model).to(dtype).eval()
+
+
+def measure_in_memory(
+    model: nn.Module, names: Sequence[str], options: MeasureOptions | None = None, progress: bool = True
+) -> list[Measurement]:
+    """bf16 and the unquantised forms ``names`` of a model in memory (copies; the model is left as it is).
+    Agreement is measured on random tokens, so it only shows that a form computes the same model."""
+    options = options or MeasureOptions()
+    return measure_forms(lambda form: converted(model, form), model.config, names, options,
+                         random_windows(model.config, options), progress=progress)  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import BitsAndBytesConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
 AUTO = "auto"
 TORCHAO = "torchao>=0.18"  # the release these schemes were measured with; the int4 config is a prototype there
@@ -85,11 +85,6 @@ class Scheme:
     summary: str
     make_config: Callable[[], Any] | None = None  # the ``quantization_config``
     transform: Callable[[PreTrainedModel], PreTrainedModel] | None = None  # applied after loading
-    # A token's logits do not depend on the other tokens of its pass, so a verify block scores each
-    # token as a one-token step does and lossless VIA-SD equals this model's own ``generate`` up to
-    # float rounding. Not so with activation scales or outlier columns chosen per pass, or a kernel
-    # that takes another path for several tokens (tests/test_quantization.py checks both ways).
-    batch_invariant: bool = True
 
     @property
     def available(self) -> bool:
@@ -112,6 +107,11 @@ class Scheme:
 
 
 BASELINE = Scheme("bf16", 16, "torch", "torch", torch.bfloat16, "unquantised bfloat16: the speed baseline")
+UNQUANTIZED: dict[str, Scheme] = {
+    s.name: s
+    for s in (Scheme("fp32", 32, "torch", "torch", torch.float32, "unquantised float32"), BASELINE,
+              Scheme("fp16", 16, "torch", "torch", torch.float16, "unquantised float16"))
+}  # fmt: skip
 
 SCHEMES: dict[str, Scheme] = {
     s.name: s
@@ -119,8 +119,7 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("bnb-4bit", 4, "bitsandbytes", "bitsandbytes>=0.45", torch.bfloat16,
                "bitsandbytes NF4 weights, bfloat16 compute", make_config=_bnb_4bit),
         Scheme("bnb-8bit", 8, "bitsandbytes", "bitsandbytes>=0.45", torch.bfloat16,
-               "bitsandbytes LLM.int8() weights, fp16 outlier columns chosen per pass", make_config=_bnb_8bit,
-               batch_invariant=False),
+               "bitsandbytes LLM.int8() weights, fp16 outlier columns chosen per pass", make_config=_bnb_8bit),
         Scheme("torchao-int8", 8, "torchao", TORCHAO, torch.bfloat16,
                "torchao int8 weights, per-token dynamic int8 activations",
                make_config=_torchao("Int8DynamicActivationInt8WeightConfig")),
@@ -129,12 +128,14 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("torchao-int4-weight-only", 4, "torchao", TORCHAO, torch.bfloat16,
                "torchao int4 weights (groups of 128, CPU-packed; a torchao prototype), bfloat16 activations",
                make_config=_torchao("PrototypeInt4WeightOnlyConfig", "torchao.prototype.quantization.int4",
-                                    group_size=128), batch_invariant=False),
+                                    group_size=128)),
         Scheme("torch-dynamic-int8", 8, "torch", "torch", torch.float32,
                "torch.ao quantize_dynamic (deprecated API): int8 weights, per-tensor dynamic int8 activations",
-               transform=_torch_dynamic_int8, batch_invariant=False),
+               transform=_torch_dynamic_int8),
     )  # fmt: skip
 }
+
+FORMS: dict[str, Scheme] = UNQUANTIZED | SCHEMES  # every form a model can be measured in
 
 # The width aliases name the scheme measured best for that width on CPU (README, "Quantised tiers").
 ALIASES: dict[str, str] = {"int8": "torchao-int8", "4bit": "bnb-4bit"}
@@ -143,6 +144,15 @@ ALIASES: dict[str, str] = {"int8": "torchao-int8", "4bit": "bnb-4bit"}
 def scheme_names() -> list[str]:
     """Every name ``quantization=`` accepts."""
     return [*SCHEMES, *ALIASES, AUTO]
+
+
+def load_in(source: Any, scheme: Scheme | None, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The model at ``source`` in ``scheme``, in eval mode; ``scheme`` None: unquantised, in ``dtype`` (float32,
+    the reference, by default)."""
+    if scheme is None:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=scheme.dtype, **scheme.from_pretrained_kwargs()).eval()
+    return scheme.finish(model)
 
 
 def get_scheme(name: str) -> Scheme:

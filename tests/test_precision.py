@@ -1,0 +1,232 @@
+"""The form a model runs in, chosen by measuring this machine: the quick measurement, its cache, ``dtype="auto"``
+and the drafter's machine-chosen copy in lossless greedy decoding (``ViaSDConfig.drafter_precision``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerFast
+
+from conftest import VOCAB, near_copy, tiny_causal_lm
+from viasd_hf import RoutingMask, ViaSDConfig, drafter_precision, enable_viasd, generation
+from viasd_hf.cli import main
+from viasd_hf.models import load_pretrained
+from viasd_hf.quantization import (
+    BASELINE,
+    MeasureOptions,
+    Measurement,
+    cached_measure,
+    fastest_unquantized,
+    markdown_table,
+    resolve_dtype,
+)
+from viasd_hf.quantization import choice as quantization_choice
+from viasd_hf.quantization.measure import ruled_out_by_screen, time_in_rounds
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("VIASD_HOME", str(tmp_path))
+    return tmp_path
+
+
+def timed(form: str, ratio: float) -> Measurement:
+    return Measurement(form, decode_ms=10 * ratio, verify_ms=20 * ratio, decode_ratio=ratio, verify_ratio=ratio,
+                       top1=1.0, kl=0.0)  # fmt: skip
+
+
+@pytest.fixture
+def measured(home, monkeypatch):
+    """Measuring in memory, faked: ``verdict[0]`` is the form that comes out fastest; ``calls`` counts measurements."""
+    calls, verdict = [], ["bf16"]
+
+    def measure_in_memory(model, names, options, progress):
+        calls.append(list(names))
+        return [timed(BASELINE.name, 1.0), *(timed(name, 0.5 if name == verdict[0] else 2.0) for name in names)]
+
+    monkeypatch.setattr(quantization_choice, "measure_in_memory", measure_in_memory)
+    return calls, verdict
+
+
+# --------------------------------------------------------------------------- measuring, quickly
+
+
+class Stub:
+    """Stands in for a timed model whose passes take ``ms`` each."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms, self.rounds = ms, 0
+
+    def timed_round(self) -> None:
+        self.rounds += 1
+
+    def pass_ms(self) -> float:
+        return self.ms
+
+
+def test_a_form_clearly_slower_than_the_fastest_stops_after_the_minimum_rounds():
+    stubs = {"bf16": Stub(10.0), "fp32": Stub(12.0), "bnb-8bit": Stub(40.0)}
+    with tqdm(disable=True) as bar:
+        stopped = time_in_rounds(stubs, MeasureOptions(repeats=5, min_rounds=2, losing=1.3), bar)
+    assert list(stopped) == ["bnb-8bit"] and stopped["bnb-8bit"].startswith("stopped after 2 rounds: 4.00×")
+    assert [stub.rounds for stub in stubs.values()] == [5, 5, 2]
+
+
+def test_the_screen_rules_out_forms_far_slower_than_the_fastest_but_never_bf16():
+    layer = {"bf16": 3.0, "fp32": 1.0, "bnb-4bit": 2.5, "bnb-8bit": 9.0, "torchao-int8": "ImportError: no torchao"}
+    assert ruled_out_by_screen(layer, margin=2.0) == {
+        "bnb-4bit": "ruled out: its layer pass takes 2.5× the fastest form's",
+        "bnb-8bit": "ruled out: its layer pass takes 9.0× the fastest form's",
+        "torchao-int8": "ImportError: no torchao",
+    }
+
+
+def test_a_tiny_model_in_memory_is_measured_in_its_unquantised_forms_and_left_as_it_was(home):
+    model = tiny_causal_lm("llama")
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    options = MeasureOptions(prompts=2, prompt_tokens=16, context=16, repeats=2, threads=1)
+    measurements = cached_measure(model, ["fp32"], options, progress=False)
+    assert [m.scheme for m in measurements] == ["bf16", "fp32"]
+    for m in measurements:
+        assert m.layer_ms > 0 and m.decode_ms > 0 and m.verify_ms > 0
+        assert m.error is None or m.error.startswith(("ruled out", "stopped after")), m.error
+    assert measurements[0].decode_ratio == 1.0 and measurements[0].top1 > 0.8  # bf16 against float32
+    assert model.dtype == torch.float32 and all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    assert "| fp32 | " in markdown_table(measurements)
+
+
+def test_the_fastest_unquantised_form_is_chosen_and_bf16_wins_a_tie():
+    assert fastest_unquantized([timed("bf16", 1.0), timed("fp32", 0.8)])[0] == "fp32"
+    assert fastest_unquantized([timed("bf16", 1.0), timed("fp32", 1.0)])[0] == "bf16"
+    stopped = Measurement("fp32", error="ruled out: its layer pass takes 3.0× the fastest form's")
+    assert fastest_unquantized([timed("bf16", 1.0), stopped]) == ("bf16", "its passes are the fastest of the "
+                                                                          "unquantised forms (the only one)")
+
+
+# --------------------------------------------------------------------------- the verdict's cache
+
+
+def test_a_cached_verdict_is_reused_for_every_model_of_the_architecture(measured):
+    calls, _ = measured
+    first = resolve_dtype(tiny_causal_lm("llama", seed=0))
+    again = resolve_dtype(tiny_causal_lm("llama", seed=1))  # other weights, the same shapes: the same speed
+    assert len(calls) == 1 and first == again and first.scheme.name == "bf16"
+    resolve_dtype(tiny_causal_lm("qwen2"))
+    assert len(calls) == 2
+
+
+def test_a_corrupt_cache_entry_is_measured_again(measured, home):
+    calls, _ = measured
+    model = tiny_causal_lm("llama")
+    resolve_dtype(model)
+    (record,) = (home / "quantization").glob("*.json")
+    for corrupt in ("{not json", '{"measurements": [{"no_such_field": 1}]}'):
+        record.write_text(corrupt)
+        assert resolve_dtype(model).scheme.name == "bf16"
+        assert json.loads(record.read_text())["measurements"][0]["scheme"] == "bf16"
+    assert len(calls) == 3
+
+
+def test_load_pretrained_dtype_auto_loads_the_measured_form(home, tmp_path, monkeypatch):
+    folder = tmp_path / "tiny"
+    tiny_causal_lm("llama").save_pretrained(folder)
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(folder)
+    fastest = ["fp32"]
+    monkeypatch.setattr(quantization_choice, "measure", lambda name, names, options, **kwargs: [
+        timed("bf16", 1.0), *(timed(n, 0.5 if n == fastest[0] else 2.0) for n in names)])  # fmt: skip
+    assert load_pretrained(str(folder), dtype="auto")[0].dtype == torch.float32
+    fastest[0] = "bf16"
+    assert resolve_dtype(str(folder)).scheme.name == "fp32", "cached: not measured again"
+    assert load_pretrained(str(folder), dtype="auto")[0].dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- the drafter's fastest form
+
+
+def drafting_models(monkeypatch) -> list:
+    """The assistant model each VIA-SD call drafts with."""
+    seen = []
+    build = generation.build_drafter
+
+    def spy(model, config, generation_config, logits_processor, assistant_model, *args, **kwargs):
+        seen.append(assistant_model)
+        return build(model, config, generation_config, logits_processor, assistant_model, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "build_drafter", spy)
+    return seen
+
+
+def pair():
+    target = enable_viasd(tiny_causal_lm("llama", seed=0))
+    return target, near_copy(target, scale=0.01)
+
+
+def lossless(target, **settings) -> ViaSDConfig:
+    return ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", **settings)
+
+
+def prompt() -> torch.Tensor:
+    return torch.randint(2, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.machine_precision
+def test_lossless_greedy_drafts_with_one_converted_copy_and_equals_generate(measured, monkeypatch):
+    calls, _ = measured
+    target, drafter = pair()
+    seen = drafting_models(monkeypatch)
+    expected = target.generate(prompt(), max_new_tokens=16, **GREEDY)
+    for _ in range(2):
+        out = target.generate(prompt(), assistant_model=drafter, viasd_config=lossless(target), max_new_tokens=16,
+                              return_dict_in_generate=True, **GREEDY)  # fmt: skip
+        assert torch.equal(out.sequences, expected) and out.viasd_stats.accepted_tokens > 0
+    copy, again = seen
+    assert copy is again is not drafter and copy.dtype == torch.bfloat16, "one copy, made once and reused"
+    assert drafter.dtype == torch.float32 and len(calls) == 1
+
+
+@pytest.mark.machine_precision
+def test_opting_out_or_tiered_or_sampling_drafts_with_the_users_model(measured, monkeypatch):
+    calls, _ = measured
+    target, drafter = pair()
+    seen = drafting_models(monkeypatch)
+    for config, sample in ((lossless(target, drafter_precision="as_loaded"), False), (lossless(target), True),
+                           (ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="tiered"), False)):  # fmt: skip
+        target.generate(prompt(), assistant_model=drafter, viasd_config=config, max_new_tokens=4,
+                        do_sample=sample, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert all(model is drafter for model in seen) and drafter.dtype == torch.float32 and not calls
+
+
+@pytest.mark.machine_precision
+def test_a_drafter_already_in_its_fastest_form_or_in_float64_drafts_as_it_is(measured, monkeypatch):
+    calls, verdict = measured
+    verdict[0] = "fp32"
+    target, drafter = pair()
+    assert drafter_precision.fastest_form(drafter) is drafter and len(calls) == 1
+    exact = tiny_causal_lm("llama", dtype=torch.float64)
+    assert drafter_precision.fastest_form(exact) is exact and len(calls) == 1, "float64 is not measured"
+
+
+def test_drafter_precision_is_validated_and_saved():
+    assert ViaSDConfig.from_dict(ViaSDConfig(drafter_precision="as_loaded").to_dict()).drafter_precision == "as_loaded"
+    with pytest.raises(ValueError, match="drafter_precision must be one of"):
+        ViaSDConfig(drafter_precision="fp8")
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def test_profile_prints_the_table_the_precision_choice_measured(measured, capsys, monkeypatch):
+    monkeypatch.setattr(quantization_choice, "measure", lambda name, names, options, **kwargs: [
+        timed("bf16", 1.0), *(timed(n, 0.7) for n in names)])  # fmt: skip
+    assert main(["profile", "--target", "smollm2-135m-instruct", "--precision"]) == 0
+    out = capsys.readouterr().out
+    assert "| form | layer ms |" in out and "| fp32 | " in out and "auto → fp32: its passes are the fastest" in out
+    assert main(["profile", "--target", "smollm2-135m-instruct", "--draft-for", "qwen2.5-coder-1.5b-instruct"]) == 2
