@@ -211,12 +211,32 @@ def test_an_empty_run_is_refused_before_it_starts_and_a_silent_greedy_prompt_doe
 
 
 @pytest.mark.integration
-def test_demo_small_prints_text_stats_and_speed(capsys):
-    assert main(["demo", "--small", "--max-new-tokens", "12"]) == 0
+def test_demo_small_prints_the_table_side_by_side_and_writes_it_as_json(capsys, tmp_path):
+    report = tmp_path / "demo.json"
+    assert main(["demo", "--small", "--dtype", "float32", "--max-new-tokens", "12", "--json", str(report)]) == 0
     out = capsys.readouterr().out
-    assert "[viasd]" in out and "tokens per full call" in out
-    assert "x greedy (same run)" in out
-    assert "[mask]" in out
+    for row in ("greedy", "HF prompt lookup", "VIA-SD"):
+        assert f"\n{row} " in out, row
+    assert "vs greedy" in out and "vs HF prompt lookup" in out and "[verdict]" in out
+    assert "[precision] target: float32: as asked with --dtype" in out
+    data = json.loads(report.read_text())
+    viasd = data["methods"]["VIA-SD"]
+    assert viasd["identical_to_greedy"] is True, "lossless by default"
+    assert viasd["tokens"] == 12 * len(data["prompts"]) and viasd["tokens_per_second"] > 0
+    assert set(viasd["ratio"]) == {"greedy", "HF prompt lookup"}
+    assert data["precision"]["target"].startswith("float32")
+
+
+@pytest.mark.parametrize("arguments, problem", [
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--dtype", "float64"], "--dtype"),
+    (["--json", "/no/such/folder/demo.json"], "its folder does not exist"),
+])
+def test_demo_checks_its_arguments_before_loading_models(arguments, problem, capsys, monkeypatch):
+    monkeypatch.setattr("viasd_hf.demo.load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["demo", "--small", *arguments]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.integration

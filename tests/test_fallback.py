@@ -133,7 +133,7 @@ def test_the_advice_names_emulated_bf16_only_for_a_bf16_model():
 
 def test_the_advice_says_what_to_do_where_bf16_is_emulated(monkeypatch):
     model = tiny_causal_lm("llama", seed=0, dtype=torch.bfloat16)
-    monkeypatch.setattr("viasd_hf.fallback.has_native_bf16", lambda: False)
+    monkeypatch.setattr("viasd_hf.fallback.native_bf16", lambda: False)
     assert "load the target in float32" in fallback_advice(model, 4.6)
 
 

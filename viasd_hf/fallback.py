@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .machine import native_bf16
 from .probing import ProbeSchedule
 
 
@@ -118,15 +119,9 @@ def fallback_advice(model: torch.nn.Module, verify_ratio: float | None) -> str:
     ``verify_ratio``: what a pass over 6 new tokens costs relative to a one-token pass, as measured."""
     measured = f"; a pass over 6 new tokens costs {verify_ratio:.1f}x a one-token pass here" if verify_ratio else ""
     advice = "a cheaper or better-matched drafter may let speculation pay"
-    if model.dtype == torch.bfloat16 and model.device.type == "cpu" and not has_native_bf16():
+    if model.dtype == torch.bfloat16 and model.device.type == "cpu" and not native_bf16():
         advice = ("this CPU has no native bf16, so bf16 matrix products are emulated and verifying k tokens costs about "
                   "k one-token passes: load the target in float32 (load_pretrained(name, dtype='auto') measures which "
                   "is faster)")  # fmt: skip
     return f"speculation does not pay for this model on this machine, so VIA-SD decodes plainly{measured}: {advice}"
 
-
-def has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX), rather than emulating them."""
-    from .quantization.choice import cpu_identity  # the quantisation package plans drafts with this package
-
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_identity()["flags"]))

@@ -16,7 +16,7 @@ from .choice import (
     markdown_table,
     unquantized_candidates,
 )
-from .machine import cpu_identity, library_version
+from ..machine import cpu_identity, library_version
 from .measure import MeasureOptions
 from .schemes import FORMS, SCHEMES
 

@@ -25,7 +25,7 @@ from torch import nn
 from ..architectures import config_fingerprint, model_config
 from ..zoo import ZOO, zoo_revision
 from .drafting import DraftingAcceptance, drafting_throughput
-from .machine import LIBRARIES, cpu_identity, library_version, native_fp16, read_record, record_path, write_record
+from ..machine import LIBRARIES, cpu_identity, library_version, native_fp16, read_record, record_path, write_record
 from .measure import Measurement, MeasureOptions, measure, measure_in_memory
 from .schemes import ALIASES, AUTO, BASELINE, FORMS, SCHEMES, UNQUANTIZED, Scheme, get_scheme
 

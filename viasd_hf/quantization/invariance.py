@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .machine import machine_key, read_record, record_path, write_record
+from ..machine import machine_key, read_record, record_path, write_record
 from .probe import probe_checkpoint, probe_mlp
 from .schemes import get_scheme, load_in
 

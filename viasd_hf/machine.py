@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..zoo import viasd_home
+from .zoo import viasd_home
 
 _CPU_FLAGS = (
     "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_bf16", "amx_fp16", "amx_int8",
@@ -41,6 +41,11 @@ def cpu_identity() -> dict[str, Any]:
     ids = [info.get(k) for k in ("cpu family", "model", "stepping")]
     return {"model": model, "id": "/".join(i for i in ids if i), "flags": sorted(flags.intersection(_CPU_FLAGS)),
             "cpus": os.cpu_count()}  # fmt: skip
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 matrices itself (AVX512-BF16 or AMX); elsewhere bf16 products are emulated."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_identity()["flags"]))
 
 
 def native_fp16() -> bool:
