@@ -80,7 +80,7 @@ def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2(monkeypatch):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "List ten fruits, one per line."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     common = dict(max_new_tokens=96, do_sample=False, return_dict_in_generate=True, prompt_lookup_num_tokens=4)
-    measured = ViaSDConfig.paper(routing_mask=bad, tier_switching="measured")
+    measured = ViaSDConfig.paper(routing_mask=bad, tier_switching="measured", plain_fallback=False)
     with LayerClock(model) as clock:
         monkeypatch.setattr(decoding, "time", clock)
         monkeypatch.setattr(verifier, "time", clock)

@@ -170,7 +170,8 @@ def pair():
 
 
 def lossless(target, **settings) -> ViaSDConfig:
-    return ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", **settings)
+    return ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", plain_fallback=False,
+                       **settings)
 
 
 def prompt() -> torch.Tensor:

@@ -82,7 +82,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         help="timed runs per prompt and method (the median is kept)")
     parser.add_argument("--temperature", type=positive_float,
                         help="sample at this temperature (every method, seeded alike)")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="auto (default): each model in the faster of float32 and bf16 measured on this machine")
     parser.add_argument("--quantize", type=quantize_spec, default={}, metavar="drafter=SCHEME,target=SCHEME",
                         help="load the drafter and/or target quantised for every method (a scheme of "
                         "viasd_hf.quantization, int8, 4bit or auto); add the method "
@@ -298,7 +299,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print("\n".join(verdicts))
     for role, choice in quantized.items():
         print(f"{role} quantised: {choice.scheme.name} ({choice.reason})")
-    print(f"\n{env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {args.dtype} · "
+    dtypes = f"target {str(target.dtype).removeprefix('torch.')}, drafter {str(drafter.dtype).removeprefix('torch.')}"
+    print(f"\n{env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {dtypes} · "
           f"machine copy bandwidth {env['machine_bandwidth_gb_s']:.1f} GB/s · {env['date']}")
     if args.json:
         print(f"wrote {args.json}")
