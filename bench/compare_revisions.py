@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run inside each subprocess, with the revision's package first on sys.path.
 WORKLOAD = r'''
 import json, sys, time, torch
-from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
-from viasd_hf.models import load_pretrained
+from viasd_hf import RoutingMask
+from viasd_hf import ViaSDConfig
+from viasd_hf import enable_viasd
+from viasd_hf.models.loading import load_pretrained
 
 torch.set_num_threads(int(sys.argv[1]))
 if sys.argv[3] == "tiny":  # a 4-layer random model: the loop's own overhead dominates

@@ -24,7 +24,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from viasd_hf import drafter_precision
+from viasd_hf.drafters import precision as drafter_precision
 
 VOCAB = 96
 
@@ -110,7 +110,7 @@ _ZOO_CACHE: dict[str, tuple] = {}
 
 def zoo(name: str):
     """A real model from the offline zoo (fetched from PyPI once per machine), shared across tests."""
-    from viasd_hf.models import load_pretrained
+    from viasd_hf.models.loading import load_pretrained
 
     if name not in _ZOO_CACHE:
         _ZOO_CACHE[name] = load_pretrained(name, dtype=torch.float32)

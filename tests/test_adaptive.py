@@ -8,10 +8,18 @@ import pytest
 import torch
 
 from conftest import zoo
-from viasd_hf import RoutingMask, ViaSDConfig, decoding, enable_viasd, verifier
-from viasd_hf.adaptive import BlockCost, RepairLedger, TierController, PricedBlocks, measures_wall_clock
-from viasd_hf.architectures import decoder_layers
-from viasd_hf.tier_memory import tier_memory
+from viasd_hf import RoutingMask
+from viasd_hf import ViaSDConfig
+from viasd_hf.engine import loop as decoding
+from viasd_hf import enable_viasd
+from viasd_hf.engine import verifier
+from viasd_hf.control.tier_controller import BlockCost
+from viasd_hf.control.tier_controller import RepairLedger
+from viasd_hf.control.tier_controller import TierController
+from viasd_hf.control.tier_controller import PricedBlocks
+from viasd_hf.control.tier_controller import measures_wall_clock
+from viasd_hf.masks.architectures import decoder_layers
+from viasd_hf.control.memory import tier_memory
 
 
 def drive(controller: TierController, cost_on: float, cost_off: float, blocks: int) -> list[bool]:
@@ -104,7 +112,7 @@ def test_a_mask_predicted_not_to_pay_starts_off_and_noise_does_not_flip_it():
 
 def test_offline_prediction_comes_from_the_mask_metadata():
     from conftest import tiny_causal_lm
-    from viasd_hf.adaptive import predicted_to_pay
+    from viasd_hf.control.tier_controller import predicted_to_pay
 
     mask = RoutingMask.from_model(tiny_causal_lm("llama"), skip=[2])
     assert predicted_to_pay(mask)
@@ -155,7 +163,7 @@ class ScriptedController(TierController):
 def test_a_block_that_clears_the_slim_backlog_is_charged_to_the_slim_tier(monkeypatch):
     """Otherwise a probe of the two-tier regime pays for tokens the slim tier committed, and the
     controller keeps a slim tier that does not pay."""
-    import viasd_hf.decoding as decoding
+    import viasd_hf.engine.loop as decoding
     from conftest import tiny_causal_lm
 
     target = tiny_causal_lm("llama", seed=0)
@@ -260,7 +268,7 @@ def test_lossless_repairs_that_pay_turn_the_slim_tier_on():
 
 
 def test_a_repair_is_credited_by_what_the_full_model_did_with_it():
-    from viasd_hf.policies import repair_credit
+    from viasd_hf.engine.policies import repair_credit
 
     # the slim tier replaced the draft 7 at position 1 by 9
     assert repair_credit(1, 7, [5, 9, 4]) == 1, "the full model kept the repaired token"

@@ -1,4 +1,4 @@
-"""Loaders of ``viasd_hf.bench.tasks`` against the real evaluation data shipped in ``viasd_hf/bench/data``."""
+"""Loaders of ``viasd_hf.data.tasks`` against the real evaluation data shipped in ``viasd_hf/data``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import viasd_hf
-from viasd_hf.bench.tasks import (
+from viasd_hf.data.tasks import (
     DATASETS,
     PACKAGED_DATA,
     SPEC_BENCH_TASKS,
@@ -22,7 +22,7 @@ from viasd_hf.bench.tasks import (
     load_examples,
     load_jsonl,
 )
-from viasd_hf.calibration import spec_bench_path
+from viasd_hf.dimr.calibration import spec_bench_path
 
 
 def test_default_data_dir_is_the_packaged_folder(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,10 +13,13 @@ import transformers
 from huggingface_hub import constants
 
 from conftest import tiny_causal_lm
-from viasd_hf import RoutingMask, models
+from viasd_hf import RoutingMask
+from viasd_hf.models import loading as models
 from viasd_hf.bench.methods import Outcome
-from viasd_hf.bench.runner import MethodRuns, run_methods, summarise
-from viasd_hf.bench.tasks import Example
+from viasd_hf.bench.runner import MethodRuns
+from viasd_hf.bench.runner import run_methods
+from viasd_hf.bench.runner import summarise
+from viasd_hf.data.tasks import Example
 from viasd_hf.cli import args as cli_args
 from viasd_hf.cli import main
 
@@ -233,7 +236,7 @@ def test_demo_small_prints_the_table_side_by_side_and_writes_it_as_json(capsys, 
     (["--json", "/no/such/folder/demo.json"], "its folder does not exist"),
 ])
 def test_demo_checks_its_arguments_before_loading_models(arguments, problem, capsys, monkeypatch):
-    monkeypatch.setattr("viasd_hf.demo.load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr("viasd_hf.bench.demo.load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
     assert main(["demo", "--small", *arguments]) == 2
     err = capsys.readouterr().err
     assert problem in err and len(err.strip().splitlines()) == 1

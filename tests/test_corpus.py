@@ -10,10 +10,19 @@ import torch
 from conftest import tiny_causal_lm
 from test_dimr import ByteTokenizer, sharpened
 from viasd_hf import RoutingMask
-from viasd_hf.calibration import Prompt, Window, at_depths, build_windows
+from viasd_hf.dimr.calibration import Prompt
+from viasd_hf.dimr.calibration import Window
+from viasd_hf.dimr.calibration import at_depths
+from viasd_hf.dimr.calibration import build_windows
 from viasd_hf.cli.search import add_search_command
-from viasd_hf.corpus import FAMILIES, HELDOUT_PER_FAMILY, SPLITS, content_keys, pool, stratified_corpus
-from viasd_hf.dimr.heldout import heldout_comparison, heldout_prompts
+from viasd_hf.data.corpus import FAMILIES
+from viasd_hf.data.corpus import HELDOUT_PER_FAMILY
+from viasd_hf.data.corpus import SPLITS
+from viasd_hf.data.corpus import content_keys
+from viasd_hf.data.corpus import pool
+from viasd_hf.data.corpus import stratified_corpus
+from viasd_hf.dimr.heldout import heldout_comparison
+from viasd_hf.dimr.heldout import heldout_prompts
 from viasd_hf.dimr.report import heldout_markdown
 
 
@@ -109,7 +118,7 @@ def test_heldout_report_has_a_row_per_family_and_mask_and_drops_prompts_a_search
 
 def test_search_command_with_the_stratified_corpus(model, tmp_path, monkeypatch):
     monkeypatch.setenv("VIASD_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr("viasd_hf.models.load_pretrained", lambda name, dtype=None: (model, ByteTokenizer()))
+    monkeypatch.setattr("viasd_hf.models.loading.load_pretrained", lambda name, dtype=None: (model, ByteTokenizer()))
     monkeypatch.setattr("viasd_hf.cli.search.check_model", lambda name, flag: None)
     parser = argparse.ArgumentParser(prog="viasd")
     add_search_command(parser.add_subparsers(dest="command"))

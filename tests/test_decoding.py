@@ -19,9 +19,13 @@ from conftest import (
     without_layers,
     work_done,
 )
-from viasd_hf import RoutingMask, ViaSDConfig, ViaSDGenerationMixin, enable_viasd, viasd_generate
-from viasd_hf.decoding import LONGEST_TWO_TIER_DRAFT
-from viasd_hf.draft_planner import DraftPlanner
+from viasd_hf import RoutingMask
+from viasd_hf import ViaSDConfig
+from viasd_hf import ViaSDGenerationMixin
+from viasd_hf import enable_viasd
+from viasd_hf import viasd_generate
+from viasd_hf.engine.loop import LONGEST_TWO_TIER_DRAFT
+from viasd_hf.control.draft_planner import DraftPlanner
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 

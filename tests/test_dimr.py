@@ -13,11 +13,17 @@ import torch
 
 from conftest import VOCAB, tiny_causal_lm
 from viasd_hf import RoutingMask
-from viasd_hf import calibration as calibration_module
+from viasd_hf.dimr import calibration as calibration_module
 from viasd_hf import dimr
-from viasd_hf.architectures import protected_layers
-from viasd_hf.calibration import Prompt, TeacherForcedReference, Window, build_calibration, greedy_continuation, split_prompts
-from viasd_hf.cli.search import add_search_command, search_command_line
+from viasd_hf.masks.architectures import protected_layers
+from viasd_hf.dimr.calibration import Prompt
+from viasd_hf.dimr.calibration import TeacherForcedReference
+from viasd_hf.dimr.calibration import Window
+from viasd_hf.dimr.calibration import build_calibration
+from viasd_hf.dimr.calibration import greedy_continuation
+from viasd_hf.dimr.calibration import split_prompts
+from viasd_hf.cli.search import add_search_command
+from viasd_hf.cli.search import search_command_line
 from viasd_hf.dimr import (
     baseline_table,
     budget,
@@ -263,7 +269,7 @@ def test_baselines(model, reference):
 
 def test_search_command_end_to_end(model, tmp_path, monkeypatch):
     monkeypatch.setenv("VIASD_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr("viasd_hf.models.load_pretrained", lambda name, dtype=None: (model, ByteTokenizer()))
+    monkeypatch.setattr("viasd_hf.models.loading.load_pretrained", lambda name, dtype=None: (model, ByteTokenizer()))
     monkeypatch.setattr("viasd_hf.cli.search.check_model", lambda name, flag: None)  # "tiny" is no zoo name or folder
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"write function number {i}" for i in range(8)))

@@ -7,8 +7,13 @@ import torch
 
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
-from viasd_hf.accept import Draft
-from viasd_hf.draft_planner import CONFIDENCE_EDGES, AcceptanceModel, DraftPlanner, MeasuredCosts, StaticCosts, weight_bytes
+from viasd_hf.engine.accept import Draft
+from viasd_hf.control.draft_planner import CONFIDENCE_EDGES
+from viasd_hf.control.draft_planner import AcceptanceModel
+from viasd_hf.control.draft_planner import DraftPlanner
+from viasd_hf.control.draft_planner import MeasuredCosts
+from viasd_hf.control.draft_planner import StaticCosts
+from viasd_hf.control.draft_planner import weight_bytes
 
 
 def drafted(planner: DraftPlanner, confidence: float, limit: int = 50) -> int:
@@ -135,8 +140,9 @@ def test_the_planner_is_remembered_across_calls_where_timings_may_steer_and_nowh
     """As HF keeps its assistant's draft length on the assistant, a lossless greedy call starts from what the
     last call on the model learned; a sampling call, whose draws draft lengths change, starts afresh."""
     from conftest import near_copy
-    from viasd_hf import ViaSDConfig, enable_viasd
-    from viasd_hf.tier_memory import tier_memory
+    from viasd_hf import ViaSDConfig
+    from viasd_hf import enable_viasd
+    from viasd_hf.control.memory import tier_memory
 
     target = enable_viasd(tiny_causal_lm("llama", seed=0))
     drafter = near_copy(target)
@@ -162,7 +168,7 @@ def test_the_planner_is_remembered_across_calls_where_timings_may_steer_and_nowh
 
 
 def test_each_call_plans_with_its_own_copy_of_the_remembered_planner():
-    from viasd_hf.tier_memory import TierMemory
+    from viasd_hf.control.memory import TierMemory
 
     memory = TierMemory()
     remembered = DraftPlanner(StaticCosts(drafter=0.2), longest=15)
@@ -176,7 +182,7 @@ def test_each_call_plans_with_its_own_copy_of_the_remembered_planner():
 def test_drafters_that_differ_in_model_vocabulary_or_skipped_layers_are_measured_apart():
     from transformers import LogitsProcessorList
 
-    from viasd_hf.decoding import drafter_identity
+    from viasd_hf.engine.loop import drafter_identity
     from viasd_hf.drafters import AssistantDrafter
     from viasd_hf.vocabulary.head import SubsetHead
 

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from conftest import assert_stats_consistent, tiny_causal_lm
-from viasd_hf import ViaSDConfig, enable_viasd
-from viasd_hf.fallback import SpeculationSwitch, fallback_advice
-from viasd_hf.probing import ProbeSchedule
+from viasd_hf import ViaSDConfig
+from viasd_hf import enable_viasd
+from viasd_hf.control.speculation_switch import SpeculationSwitch
+from viasd_hf.control.speculation_switch import fallback_advice
+from viasd_hf.control.backoff import ProbeSchedule
 
 
 def run(switch: SpeculationSwitch, blocks: int, speculative_rate: float, plain_rate: float) -> list[bool]:
@@ -133,7 +135,7 @@ def test_the_advice_names_emulated_bf16_only_for_a_bf16_model():
 
 def test_the_advice_says_what_to_do_where_bf16_is_emulated(monkeypatch):
     model = tiny_causal_lm("llama", seed=0, dtype=torch.bfloat16)
-    monkeypatch.setattr("viasd_hf.fallback.native_bf16", lambda: False)
+    monkeypatch.setattr("viasd_hf.control.speculation_switch.native_bf16", lambda: False)
     assert "load the target in float32" in fallback_advice(model, 4.6)
 
 

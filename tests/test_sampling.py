@@ -15,17 +15,24 @@ import pytest
 import torch
 from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper
 
-import viasd_hf.accept as accept
-import viasd_hf.decoding as decoding
-import viasd_hf.policies as policies
-import viasd_hf.sampling as sampling
+import viasd_hf.engine.accept as accept
+import viasd_hf.engine.loop as decoding
+import viasd_hf.engine.policies as policies
+import viasd_hf.engine.sampling as sampling
 from conftest import assert_stats_consistent, tiny_causal_lm, work_done
-from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
-from viasd_hf.accept import Draft
-from viasd_hf.decoding import ViaSDDecoder
-from viasd_hf.drafters import AssistantDrafter, HybridDrafter, PromptLookupDrafter
+from viasd_hf import RoutingMask
+from viasd_hf import ViaSDConfig
+from viasd_hf import routed
+from viasd_hf import viasd_generate
+from viasd_hf.engine.accept import Draft
+from viasd_hf.engine.loop import ViaSDDecoder
+from viasd_hf.drafters import AssistantDrafter
+from viasd_hf.drafters import HybridDrafter
+from viasd_hf.drafters import PromptLookupDrafter
 from viasd_hf.generation import initial_state
-from viasd_hf.sampling import RandomStream, cascade_target, rejection_step
+from viasd_hf.engine.sampling import RandomStream
+from viasd_hf.engine.sampling import cascade_target
+from viasd_hf.engine.sampling import rejection_step
 
 VOCAB = 8
 PROMPT = torch.tensor([[1, 5, 2, 7, 3]])

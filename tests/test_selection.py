@@ -11,9 +11,11 @@ import torch
 from conftest import tiny_causal_lm
 from test_dimr import FAST, ByteTokenizer, make_windows, sharpened
 from viasd_hf import RoutingMask
-from viasd_hf.calibration import Calibration, TeacherForcedReference
+from viasd_hf.dimr.calibration import Calibration
+from viasd_hf.dimr.calibration import TeacherForcedReference
 from viasd_hf.cli.search import add_search_command
-from viasd_hf.corpus import FAMILIES, stratified_corpus
+from viasd_hf.data.corpus import FAMILIES
+from viasd_hf.data.corpus import stratified_corpus
 from viasd_hf.dimr import (
     FAMILY_MASKS_FILENAME,
     budget,
@@ -25,7 +27,8 @@ from viasd_hf.dimr import (
     search_budget,
     select_on_validation,
 )
-from viasd_hf.dimr.heldout import heldout_comparison, shipped_masks
+from viasd_hf.dimr.heldout import heldout_comparison
+from viasd_hf.dimr.heldout import shipped_masks
 from viasd_hf.dimr.objectives import MaskScore
 from viasd_hf.dimr.report import heldout_markdown
 
@@ -124,7 +127,7 @@ def test_search_selects_on_validation_not_calibration(model, monkeypatch, tmp_pa
 
 def test_stratified_search_never_sees_heldout_prompts_and_writes_family_masks(model, tmp_path, monkeypatch):
     monkeypatch.setenv("VIASD_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr("viasd_hf.models.load_pretrained", lambda name, dtype=None: (model, ByteTokenizer()))
+    monkeypatch.setattr("viasd_hf.models.loading.load_pretrained", lambda name, dtype=None: (model, ByteTokenizer()))
     monkeypatch.setattr("viasd_hf.cli.search.check_model", lambda name, flag: None)
     seen = {}
     real_select = mask_search.select_on_validation

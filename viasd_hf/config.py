@@ -11,11 +11,13 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .checks import is_int, is_real
-from .hub_mixin import HubMixin
-from .mask_set import MaskSet
-from .masks import RoutingMask
-from .vocabulary.store import DraftVocabulary
+from viasd_hf.validation import is_int
+
+from viasd_hf.validation import is_real
+from viasd_hf.hub.mixin import HubMixin
+from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.vocabulary.store import DraftVocabulary
 
 CONFIG_FILENAME = "viasd_config.json"
 MODES = ("tiered", "lossless")
@@ -59,7 +61,7 @@ class ViaSDConfig(HubMixin):
     setting (``draft_planner``): measured costs under ``"measured"``, weight sizes otherwise.
 
     ``attention``: which kernel runs the short-query attention of drafting and verifying passes
-    (``viasd_hf.attention``). ``"measured"``: SDPA or the model's eager attention, whichever is
+    (``viasd_hf.engine.attention``). ``"measured"``: SDPA or the model's eager attention, whichever is
     measured faster on this machine (on CPU, SDPA is slow for a few query rows over a long cache);
     they round differently, so a sampling call's draws can then depend on timing. ``"model"``: the
     model's own kernel. ``"auto"``: ``"measured"`` where ``tier_switching`` measures, else ``"model"``.
@@ -81,17 +83,17 @@ class ViaSDConfig(HubMixin):
 
     ``runner_up``: in greedy decoding a block the full model verifies also carries the drafter's second
     choice at the position where it is likeliest to be needed, as a leaf beside the draft in the same
-    pass (``viasd_hf.branching``); when the full model picks it, the block commits one token more.
+    pass (``viasd_hf.engine.branching``); when the full model picks it, the block commits one token more.
     Output is unchanged: every committed token is still the full model's choice.
 
     ``plain_fallback``: where ``tier_switching`` measures, blocks decode one token plainly, without a
     draft, while speculating is measured slower on this machine, and speculation is probed now and then
-    (``viasd_hf.fallback``), so VIA-SD is not slower than plain decoding wherever speculation cannot pay.
+    (``viasd_hf.control.speculation_switch``), so VIA-SD is not slower than plain decoding wherever speculation cannot pay.
     ``False`` speculates on every block, for instance to study a drafter.
 
     ``drafter_precision``: ``"auto"`` lets lossless greedy decoding draft with a copy of an assistant model
     in the unquantised form (fp32, bf16, fp16) measured fastest on this machine, made once per drafter
-    (``viasd_hf.drafter_precision``); its precision cannot change lossless greedy output. ``"as_loaded"``
+    (``viasd_hf.drafters.precision``); its precision cannot change lossless greedy output. ``"as_loaded"``
     drafts with the model as given, as tiered mode and sampling always do.
     """
 

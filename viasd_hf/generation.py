@@ -37,23 +37,34 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from .architectures import base_model, is_encoder_decoder, model_config
-from .cache import new_cache
-from .config import ViaSDConfig
-from .decoding import ViaSDDecoder
-from .draft_planner import StaticCosts
-from .drafter_precision import drafter_for_call
-from .drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
-from .hybrid_choice import CopyOrDraft
-from .mask_repo import default_masks_repo
-from .mask_cache import cached_mask
-from .mask_set import resolve_slim_masks
-from .masks import RoutingMask
-from .state import DecodingState, ModelInputs, TargetCache
-from .stats import ViaSDStats
-from .unsupported import check_supported
-from .vocabulary.head import SubsetHead
-from .vocabulary.lookup import resolve_vocabulary, tier_heads
+from viasd_hf.masks.architectures import base_model
+
+from viasd_hf.masks.architectures import is_encoder_decoder
+
+from viasd_hf.masks.architectures import model_config
+from viasd_hf.engine.kv_cache import new_cache
+from viasd_hf.config import ViaSDConfig
+from viasd_hf.engine.loop import ViaSDDecoder
+from viasd_hf.control.draft_planner import StaticCosts
+from viasd_hf.drafters.precision import drafter_for_call
+from viasd_hf.drafters import AssistantDrafter
+from viasd_hf.drafters import Drafter
+from viasd_hf.drafters import HybridDrafter
+from viasd_hf.drafters import PromptLookupDrafter
+from viasd_hf.drafters import SelfDrafter
+from viasd_hf.control.hybrid_choice import CopyOrDraft
+from viasd_hf.masks.repo import default_masks_repo
+from viasd_hf.masks.resolved import cached_mask
+from viasd_hf.masks.mask_set import resolve_slim_masks
+from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.engine.state import DecodingState
+from viasd_hf.engine.state import ModelInputs
+from viasd_hf.engine.state import TargetCache
+from viasd_hf.engine.stats import ViaSDStats
+from viasd_hf.engine.preconditions import check_supported
+from viasd_hf.vocabulary.head import SubsetHead
+from viasd_hf.vocabulary.lookup import resolve_vocabulary
+from viasd_hf.vocabulary.lookup import tier_heads
 
 
 @dataclass
@@ -74,7 +85,7 @@ def resolve_mask(spec: RoutingMask | str | None, model: nn.Module, drafter_id: s
     """A validated mask from a ``RoutingMask``, a local path or Hub id, or else the mask known for this pair.
 
     Paths, Hub ids and the pair's default mask are looked up once per (model, drafter, spec) and
-    then reused (``viasd_hf.mask_cache``): ``generate`` must not ask the Hub on every call.
+    then reused (``viasd_hf.masks.resolved``): ``generate`` must not ask the Hub on every call.
     """
     if isinstance(spec, RoutingMask):
         mask = spec

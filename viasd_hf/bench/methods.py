@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from transformers.generation import candidate_generator
 
-from ..attention import fastest_attention
-from ..config import ViaSDConfig
-from ..generation import enable_viasd
-from ..mask_set import MaskSet
-from ..masks import RoutingMask
+from viasd_hf.engine.attention import fastest_attention
+from viasd_hf.config import ViaSDConfig
+from viasd_hf.generation import enable_viasd
+from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.routing_mask import RoutingMask
 
 METHODS = (
     "greedy", "hf_assisted", "hf_prompt_lookup", "self_spec", "cascade", "two_tier", "viasd", "viasd_lossless",
@@ -31,7 +31,7 @@ METHODS = (
 )
 # HF assisted generation as users run it today, on the unquantised bf16 pair, next to methods on quantised models
 UNQUANTIZED_REFERENCE = "hf_assisted_bf16"
-# HF assisted generation with the attention kernel our decoders measure (viasd_hf.attention): what that lever gives HF
+# HF assisted generation with the attention kernel our decoders measure (viasd_hf.engine.attention): what that lever gives HF
 STEERED_REFERENCE = "hf_assisted_fastattn"
 MASK_SET_METHODS = ("viasd_mask_set",)  # need a mask set, so they run only when asked for
 KNOWN_METHODS = METHODS + MASK_SET_METHODS

@@ -2,7 +2,7 @@
 
 Speculative decoding should not change what a model says (greedy) or its distribution (sampling);
 these scores check that on the task's own terms, next to the speed numbers. Which metric a task
-gets is declared in :data:`viasd_hf.bench.tasks.TASK_METRICS`.
+gets is declared in :data:`viasd_hf.data.tasks.TASK_METRICS`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import sacrebleu
 from rouge_score import rouge_scorer
 
-from .tasks import Example
+from viasd_hf.data.tasks import Example
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 # A minus sign only when it does not join two numbers ("10-20" is 10 and 20, not 10 and -20).

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 import transformers
 
-from .. import __version__
-from ..attention import Bucket, kernel_choices
+from viasd_hf import __version__
+from viasd_hf.engine.attention import Bucket
+from viasd_hf.engine.attention import kernel_choices
 
 QUALITY_COLUMNS = (("rougeL", "ROUGE-L"), ("bleu", "BLEU"), ("chrf", "chrF"), ("exact_match", "EM"), ("pass@1", "pass@1"))
 
@@ -122,7 +123,7 @@ def environment(bandwidth_gb_s: float) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine_bandwidth_gb_s": bandwidth_gb_s,
-        "attention_kernels": {  # what the measured kernel choice (viasd_hf.attention) settled on in this run
+        "attention_kernels": {  # what the measured kernel choice (viasd_hf.engine.attention) settled on in this run
             f"{bucket.attention.__name__} {str(bucket.dtype).removeprefix('torch.')} rows<={bucket.query_rows} "
             f"cache<={bucket.kv_length}": choice
             for bucket, choice in sorted(kernel_choices().items(), key=_bucket_order)

@@ -23,9 +23,11 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from .methods import Method, Outcome
-from .quality import quality
-from .tasks import Example
+from viasd_hf.bench.methods import Method
+
+from viasd_hf.bench.methods import Outcome
+from viasd_hf.bench.quality import quality
+from viasd_hf.data.tasks import Example
 
 TIERS = ("drafter", "slim", "full")
 

@@ -6,13 +6,13 @@ import argparse
 import sys
 from typing import NoReturn
 
-from .args import CommandError
-from .bench import add_bench_command
-from .demo import add_demo_command
-from .hub import add_hub_commands
-from .profile import add_profile_command
-from .search import add_search_command
-from .vocab import add_vocab_command
+from viasd_hf.cli.args import CommandError
+from viasd_hf.cli.bench import add_bench_command
+from viasd_hf.cli.demo import add_demo_command
+from viasd_hf.cli.hub import add_hub_commands
+from viasd_hf.cli.profile import add_profile_command
+from viasd_hf.cli.search import add_search_command
+from viasd_hf.cli.vocab import add_vocab_command
 
 
 class _Parser(argparse.ArgumentParser):

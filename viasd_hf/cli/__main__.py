@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from viasd_hf.cli import main
 
 sys.exit(main())

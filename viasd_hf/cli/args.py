@@ -21,10 +21,13 @@ from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from .. import models, zoo
-from ..quantization import QuantizationUnavailableError, scheme_names
+from viasd_hf.models import loading as models
 
-# The dtypes ``viasd_hf.models.load_pretrained`` accepts by name (tests/test_cli.py keeps them in step).
+from viasd_hf.models import zoo
+from viasd_hf.models.quantization import QuantizationUnavailableError
+from viasd_hf.models.quantization import scheme_names
+
+# The dtypes ``viasd_hf.models.loading.load_pretrained`` accepts by name (tests/test_cli.py keeps them in step).
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 

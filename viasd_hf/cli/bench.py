@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from .. import zoo
-from ..bench.methods import (
+from viasd_hf.models import zoo
+from viasd_hf.bench.methods import (
     ABLATIONS,
     HYBRID_SUFFIX,
     KNOWN_METHODS,
@@ -26,13 +26,26 @@ from ..bench.methods import (
     MethodTable,
     is_method,
 )
-from ..bench.report import environment, markdown, mask_markdown, per_task_markdown, plots, time_markdown, verdict_lines
-from ..bench.tasks import DATASETS, Example, load_examples, load_jsonl
-from ..config import ViaSDConfig
-from ..mask_set import MaskSet
-from ..masks import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
-from ..quantization import QuantizationChoice, QuantizationUnavailableError, resolve_quantization
-from .args import (
+from viasd_hf.bench.report import environment
+from viasd_hf.bench.report import markdown
+from viasd_hf.bench.report import mask_markdown
+from viasd_hf.bench.report import per_task_markdown
+from viasd_hf.bench.report import plots
+from viasd_hf.bench.report import time_markdown
+from viasd_hf.bench.report import verdict_lines
+from viasd_hf.data.tasks import DATASETS
+from viasd_hf.data.tasks import Example
+from viasd_hf.data.tasks import load_examples
+from viasd_hf.data.tasks import load_jsonl
+from viasd_hf.config import ViaSDConfig
+from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS
+from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.masks.routing_mask import RoutingMaskError
+from viasd_hf.models.quantization import QuantizationChoice
+from viasd_hf.models.quantization import QuantizationUnavailableError
+from viasd_hf.models.quantization import resolve_quantization
+from viasd_hf.cli.args import (
     DTYPES,
     CommandError,
     UsageError,
@@ -86,7 +99,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         help="auto (default): each model in the faster of float32 and bf16 measured on this machine")
     parser.add_argument("--quantize", type=quantize_spec, default={}, metavar="drafter=SCHEME,target=SCHEME",
                         help="load the drafter and/or target quantised for every method (a scheme of "
-                        "viasd_hf.quantization, int8, 4bit or auto); add the method "
+                        "viasd_hf.models.quantization, int8, 4bit or auto); add the method "
                         f"{UNQUANTIZED_REFERENCE} to compare with HF assisted generation on the bf16 pair")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     parser.add_argument("--mask", help="VIA-SD routing mask (folder / JSON / Hub id; default: the mask known for the pair)")
@@ -245,8 +258,11 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
 def run_bench_command(args: argparse.Namespace) -> int:
     """Check the arguments, load the pair, run every method on every prompt, then save and print the figures."""
     # Here, not at the top: the scorers the runner imports (rouge_score, sacrebleu) take about a second to load.
-    from ..bench.fidelity import full_model_agreement
-    from ..bench.runner import encode, machine_bandwidth_gb_s, run_methods, summarise
+    from viasd_hf.bench.fidelity import full_model_agreement
+    from viasd_hf.bench.runner import encode
+    from viasd_hf.bench.runner import machine_bandwidth_gb_s
+    from viasd_hf.bench.runner import run_methods
+    from viasd_hf.bench.runner import summarise
 
     names, examples, mask, self_mask = check_bench_args(args)
     mask_set = _mask_set(args) if "viasd_mask_set" in _bases(names) else None

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..demo import DTYPES, run_demo
-from .args import UsageError, positive_int
+from viasd_hf.bench.demo import DTYPES
+
+from viasd_hf.bench.demo import run_demo
+from viasd_hf.cli.args import UsageError
+from viasd_hf.cli.args import positive_int
 
 
 def add_demo_command(subparsers: argparse._SubParsersAction) -> None:

@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from ..architectures import model_config
-from ..calibration import TeacherForcedReference, Window
-from ..masks import RoutingMask
+from viasd_hf.masks.architectures import model_config
+from viasd_hf.dimr.calibration import TeacherForcedReference
+from viasd_hf.dimr.calibration import Window
+from viasd_hf.masks.routing_mask import RoutingMask
 
 OBJECTIVES = ("via", "kl", "top1")
 

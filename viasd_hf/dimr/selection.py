@@ -19,9 +19,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..calibration import TeacherForcedReference, Window
-from ..masks import RoutingMask
-from .objectives import MaskScore, pooled, window_scores
+from viasd_hf.dimr.calibration import TeacherForcedReference
+
+from viasd_hf.dimr.calibration import Window
+from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.dimr.objectives import MaskScore
+from viasd_hf.dimr.objectives import pooled
+from viasd_hf.dimr.objectives import window_scores
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ import random
 
 from torch import nn
 
-from ..architectures import num_decoder_layers, protected_layers
-from ..masks import RoutingMask
+from viasd_hf.masks.architectures import num_decoder_layers
+
+from viasd_hf.masks.architectures import protected_layers
+from viasd_hf.masks.routing_mask import RoutingMask
 
 
 def skippable_layers(model: nn.Module) -> list[int]:

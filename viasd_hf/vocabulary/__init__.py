@@ -2,6 +2,8 @@
 the tokens a target mostly writes (``store``: the vocabulary and its Hub folder; ``head``: the sliced LM head;
 ``build``: counting, coverage and cost, ``viasd vocab``; ``lookup``: which vocabulary a ``generate`` call uses)."""
 
-from .store import DraftVocabulary, DraftVocabularyError
+from viasd_hf.vocabulary.store import DraftVocabulary
+
+from viasd_hf.vocabulary.store import DraftVocabularyError
 
 __all__ = ["DraftVocabulary", "DraftVocabularyError"]

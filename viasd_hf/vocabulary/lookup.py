@@ -12,11 +12,14 @@ import os
 
 from torch import nn
 
-from ..architectures import is_encoder_decoder, model_config
-from ..mask_repo import default_masks_repo
-from ..model_cache import PerModelCache
-from .head import SubsetHead
-from .store import DraftVocabulary, DraftVocabularyError
+from viasd_hf.masks.architectures import is_encoder_decoder
+
+from viasd_hf.masks.architectures import model_config
+from viasd_hf.masks.repo import default_masks_repo
+from viasd_hf.models.per_model_cache import PerModelCache
+from viasd_hf.vocabulary.head import SubsetHead
+from viasd_hf.vocabulary.store import DraftVocabulary
+from viasd_hf.vocabulary.store import DraftVocabularyError
 
 AUTO = "auto"
 

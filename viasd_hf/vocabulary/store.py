@@ -5,7 +5,7 @@ small, frequency-ranked part of its vocabulary, so the drafter and the slim veri
 only those rows of the LM head. A vocabulary is only meaningful for the tokenizer and target it
 was counted on, so it carries the target's identity (id, config fingerprint, LM-head rows, the
 tokenizer's length) and refuses any other model. It lives beside the routing mask of its pair
-(``viasd_hf.mask_repo`` layout), in the masks repo and in ``hub_masks/``::
+(``viasd_hf.masks.repo`` layout), in the masks repo and in ``hub_masks/``::
 
     <target-slug>/<drafter folder>/draft_vocabulary.json
 """
@@ -20,12 +20,19 @@ from typing import Any
 from huggingface_hub import HfApi
 from torch import nn
 
-from ..architectures import base_model, config_fingerprint, model_config
-from ..checks import is_int, is_real
-from ..hub_files import Lookup, NotFoundError
-from ..hub_mixin import HubMixin
-from ..mask_repo import find_pair_file, pair_folder
-from ..version import __version__
+from viasd_hf.masks.architectures import base_model
+
+from viasd_hf.masks.architectures import config_fingerprint
+
+from viasd_hf.masks.architectures import model_config
+from viasd_hf.validation import is_int
+from viasd_hf.validation import is_real
+from viasd_hf.hub.files import Lookup
+from viasd_hf.hub.files import NotFoundError
+from viasd_hf.hub.mixin import HubMixin
+from viasd_hf.masks.repo import find_pair_file
+from viasd_hf.masks.repo import pair_folder
+from viasd_hf.version import __version__
 
 VOCABULARY_FILENAME = "draft_vocabulary.json"
 SCHEMA_VERSION = 1

@@ -1,5 +1,5 @@
 """How long a drafting or verifying pass takes with SDPA, with the model's eager attention, and with the kernel
-``viasd_hf.attention`` measures faster, over KV caches of growing length (one torch thread, bf16 target, the
+``viasd_hf.engine.attention`` measures faster, over KV caches of growing length (one torch thread, bf16 target, the
 drafter in the format ``--quantize drafter=auto`` chose).
 
     python bench/studies/attention_kernel/study.py [--contexts 300,1000,2000] [--repeats 7]
@@ -14,9 +14,12 @@ from contextlib import nullcontext
 
 import torch
 
-from viasd_hf.attention import fastest_attention, forget_kernel_choices
-from viasd_hf.cache import crop_to, new_cache
-from viasd_hf.models import load_pretrained
+from viasd_hf.engine.attention import fastest_attention
+
+from viasd_hf.engine.attention import forget_kernel_choices
+from viasd_hf.engine.kv_cache import crop_to
+from viasd_hf.engine.kv_cache import new_cache
+from viasd_hf.models.loading import load_pretrained
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 KERNELS = ("sdpa", "eager", "measured")

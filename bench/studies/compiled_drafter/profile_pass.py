@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from viasd_hf.cache import new_cache
-from viasd_hf.models import load_pretrained
+from viasd_hf.engine.kv_cache import new_cache
+from viasd_hf.models.loading import load_pretrained
 
 DRAFTER = "qwen2.5-coder-0.5b-instruct"
 

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from viasd_hf.draft_planner import DraftPlanner, FadedMean
+from viasd_hf.control.draft_planner import DraftPlanner
+
+from viasd_hf.control.draft_planner import FadedMean
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 DATASETS = (("humaneval", 12), ("spec_bench", 2), ("xsum", 4))
@@ -33,8 +35,8 @@ FORMATS = {"bf16": {"dtype": "bfloat16"}, "bnb-4bit": {"quantization": "bnb-4bit
 
 def collect(path: str) -> None:
     from viasd_hf.bench.runner import encode
-    from viasd_hf.bench.tasks import load_examples
-    from viasd_hf.models import load_pretrained
+    from viasd_hf.data.tasks import load_examples
+    from viasd_hf.models.loading import load_pretrained
 
     torch.set_num_threads(1)
     target, tokenizer = load_pretrained(TARGET, dtype="bfloat16")
@@ -72,7 +74,7 @@ def _pass_seconds(model: torch.nn.Module, ids: torch.Tensor, tokens: int, repeat
 
 def rows() -> None:
     """Median seconds of a bf16 target pass over 1–32 tokens after 400 cached ones: is ``a + b·tokens`` linear?"""
-    from viasd_hf.models import load_pretrained
+    from viasd_hf.models.loading import load_pretrained
 
     torch.set_num_threads(1)
     target, _ = load_pretrained(TARGET, dtype="bfloat16")
@@ -101,7 +103,7 @@ class Costs:
 
 
 class Shipped:
-    """``viasd_hf.draft_planner.DraftPlanner`` as it is: the next draft foretold by the last one's confidence."""
+    """``viasd_hf.control.draft_planner.DraftPlanner`` as it is: the next draft foretold by the last one's confidence."""
 
     def __init__(self, costs: Costs, longest: int = 32) -> None:
         self.planner = DraftPlanner(costs, longest=longest)

@@ -18,13 +18,15 @@ from contextlib import contextmanager
 
 import torch
 
-from viasd_hf.bench.methods import Method, MethodTable
+from viasd_hf.bench.methods import Method
+
+from viasd_hf.bench.methods import MethodTable
 from viasd_hf.bench.runner import run_methods
-from viasd_hf.bench.tasks import load_examples
-from viasd_hf.decoding import ViaSDDecoder
+from viasd_hf.data.tasks import load_examples
+from viasd_hf.engine.loop import ViaSDDecoder
 from viasd_hf.drafters import AssistantDrafter
-from viasd_hf.masks import RoutingMask
-from viasd_hf.models import load_pretrained
+from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.models.loading import load_pretrained
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 

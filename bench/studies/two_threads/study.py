@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from viasd_hf.cache import new_cache
-from viasd_hf.models import load_pretrained
+from viasd_hf.engine.kv_cache import new_cache
+from viasd_hf.models.loading import load_pretrained
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 

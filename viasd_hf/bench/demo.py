@@ -1,0 +1,244 @@
+"""``viasd demo``: is VIA-SD faster than what you have? Greedy, HF assisted generation and VIA-SD, side by side.
+
+Every method decodes the same few short prompts of different kinds with the same target, each
+warmed up first, the methods taking turns on each prompt so that a change of machine load falls on
+all of them alike. HF assisted generation runs twice: with the drafter as loaded (what a user has)
+and with the drafter in the form VIA-SD picks for this machine, so the comparison is fair both ways.
+VIA-SD runs with the default ``ViaSDConfig()`` (lossless: its output must be greedy's own).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from viasd_hf.config import ViaSDConfig
+from viasd_hf.drafters.precision import fastest_form
+from viasd_hf.generation import enable_viasd
+from viasd_hf.models.loading import load_pretrained
+from viasd_hf.models.quantization import resolve_dtype
+from viasd_hf.models.quantization.choice import unquantized_candidates
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+SMALL_TARGET = "smollm2-135m-instruct"
+PROMPT_LOOKUP_TOKENS = 5
+DTYPES = ("auto", "float32", "bfloat16")
+
+PROMPTS = {  # short prompts of different kinds: speculation pays differently on each
+    "code": "Write a Python function that checks whether a string is a palindrome.",
+    "edit": "Fix the bug in this function and return the corrected code:\n\ndef mean(xs):\n    return sum(xs) / len(xs) + 1",
+    "explain": "Explain in three sentences what a hash table is.",
+    "rewrite": "Rewrite in plain words: The committee has resolved to defer its decision pending further consultation.",
+}
+
+
+@dataclass
+class Row:
+    """One method's run over every prompt."""
+
+    method: str
+    tokens: int = 0
+    seconds: float = 0.0
+    identical: bool = True  # every prompt's output token-identical to greedy's
+    first_difference: dict[str, int] = field(default_factory=dict)  # prompt -> first new token that differs
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    stats: dict[str, object] = field(default_factory=dict)  # VIA-SD's ``viasd_stats`` per prompt
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class DemoReport:
+    target: str
+    drafter: str
+    precision: dict[str, str]  # role -> the form it ran in and why
+    rows: list[Row]
+    max_new_tokens: int
+    threads: int
+
+    def ratio(self, method: str, baseline: str) -> float:
+        rates = {row.method: row.tokens_per_second for row in self.rows}
+        return rates[method] / rates[baseline] if rates.get(baseline) else float("nan")
+
+    def baselines(self) -> list[str]:
+        return [row.method for row in self.rows if row.method != "VIA-SD"]
+
+    def table(self) -> str:
+        baselines = self.baselines()
+        header = f"{'method':<34} {'tokens/s':>9} " + " ".join(f"{'vs ' + b:>{max(9, len(b) + 3)}}" for b in baselines)
+        lines = [header + "  identical to greedy", "-" * (len(header) + 21)]
+        for row in self.rows:
+            ratios = " ".join(f"{self.ratio(row.method, b):>{max(9, len(b) + 3)}.2f}" for b in baselines)
+            lines.append(f"{row.method:<34} {row.tokens_per_second:>9.2f} {ratios}  {identity(row)}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        methods = {}
+        for row in self.rows:
+            methods[row.method] = {
+                "tokens": row.tokens, "seconds": row.seconds, "tokens_per_second": row.tokens_per_second,
+                "identical_to_greedy": row.identical, "first_difference": row.first_difference,
+                "ratio": {baseline: self.ratio(row.method, baseline) for baseline in self.baselines()},
+            }  # fmt: skip
+        return {"target": self.target, "drafter": self.drafter, "precision": self.precision,
+                "max_new_tokens": self.max_new_tokens, "threads": self.threads, "prompts": list(PROMPTS),
+                "methods": methods}  # fmt: skip
+
+
+def identity(row: Row) -> str:
+    if row.identical:
+        return "yes"
+    return "no: " + ", ".join(f"{kind} from token {position}" for kind, position in row.first_difference.items())
+
+
+def check_arguments(max_new_tokens: int, dtype: str | None, json_path: str | None) -> None:
+    """Refuse bad arguments before anything loads, rather than after minutes of decoding."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if json_path is not None and not Path(json_path).resolve().parent.is_dir():
+        raise ValueError(f"cannot write {json_path}: its folder does not exist")
+
+
+def encode(tokenizer, prompt: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]  # fmt: skip
+
+
+def timed(generate, ids: torch.Tensor) -> tuple[object, float]:
+    started = time.perf_counter()
+    with torch.no_grad():
+        output = generate(ids)
+    return output, time.perf_counter() - started
+
+
+def run_methods(methods: dict[str, object], prompts: dict[str, torch.Tensor], max_new_tokens: int) -> list[Row]:
+    """Warm every method up, then time each on every prompt, the methods taking turns prompt by prompt."""
+    first = next(iter(prompts.values()))
+    for generate in tqdm(methods.values(), desc="warm-up", leave=False):
+        timed(lambda ids: generate(ids, min(16, max_new_tokens)), first)
+    rows = {name: Row(name) for name in methods}
+    with tqdm(total=len(prompts) * len(methods), desc="timing") as progress:
+        for kind, ids in prompts.items():
+            for name, generate in methods.items():
+                progress.set_postfix_str(f"{kind}: {name}")
+                output, seconds = timed(lambda ids: generate(ids, max_new_tokens), ids)
+                tokens = output.sequences[0, ids.shape[1] :].tolist()
+                rows[name].tokens += len(tokens)
+                rows[name].seconds += seconds
+                rows[name].outputs[kind] = tokens
+                if getattr(output, "viasd_stats", None) is not None:
+                    rows[name].stats[kind] = output.viasd_stats
+                progress.update()
+    greedy = rows["greedy"].outputs
+    for row in rows.values():
+        for kind in prompts:
+            position = first_difference(row.outputs[kind], greedy[kind])
+            if position is not None:
+                row.first_difference[kind] = position
+        row.identical = not row.first_difference
+    return list(rows.values())
+
+
+def first_difference(tokens: list[int], reference: list[int]) -> int | None:
+    if tokens == reference:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
+def demo_methods(target: nn.Module, drafting: dict[str, dict], config: ViaSDConfig) -> dict[str, object]:
+    """``name -> generate(ids, max_new_tokens)``: greedy, each HF assisted form in ``drafting``, and VIA-SD with the
+    first of them (as the user loaded it: VIA-SD picks the drafter's form itself)."""
+    common = {"do_sample": False, "pad_token_id": pad_token(target), "return_dict_in_generate": True}
+
+    def method(**extra):
+        return lambda ids, tokens: target.generate(ids, max_new_tokens=tokens, **common, **extra)
+
+    methods = {"greedy": method()}
+    methods.update({name: method(**kwargs) for name, kwargs in drafting.items()})
+    methods["VIA-SD"] = method(viasd_config=config, **next(iter(drafting.values())))
+    return methods
+
+
+def pad_token(model: nn.Module) -> int | None:
+    """The model's pad token, else its (first) end token, so ``generate`` has nothing to warn about."""
+    config = model.generation_config
+    if config.pad_token_id is not None:
+        return config.pad_token_id
+    eos = config.eos_token_id
+    return eos[0] if isinstance(eos, list) else eos
+
+
+def run_demo(
+    small: bool = False,
+    target_name: str | None = None,
+    drafter_name: str | None = None,
+    max_new_tokens: int = 64,
+    dtype: str | None = None,
+    json_path: str | None = None,
+) -> DemoReport:
+    check_arguments(max_new_tokens, dtype, json_path)
+    target_name = target_name or (SMALL_TARGET if small else DEFAULT_TARGET)
+    drafter_name = drafter_name or (None if small else DEFAULT_DRAFTER)
+    dtype = dtype or "auto"
+    print(f"loading {target_name} (dtype {dtype}) ...", flush=True)
+    target, tokenizer = load_pretrained(target_name, dtype=dtype)
+    enable_viasd(target)
+    why = resolve_dtype(target_name).reason if dtype == "auto" else "as asked with --dtype"
+    precision = {"target": f"{dtype_name(target)}: {why}"}
+    if drafter_name:
+        print(f"loading drafter {drafter_name} ({dtype_name(target)}, as the target) ...", flush=True)
+        drafter = load_pretrained(drafter_name, dtype=target.dtype)[0]
+        print("finding the drafter's fastest form on this machine ...", flush=True)
+        fast = fastest_form(drafter)
+        why = resolve_dtype(drafter, unquantized_candidates()).reason
+        precision["drafter"] = f"loaded in {dtype_name(drafter)}, VIA-SD drafts in {dtype_name(fast)}: {why}"
+        drafting = {"HF assisted (drafter as loaded)": {"assistant_model": drafter}}
+        if fast is not drafter:
+            drafting["HF assisted (VIA-SD's drafter form)"] = {"assistant_model": fast}
+    else:
+        drafting = {"HF prompt lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}}
+    prompts = {kind: encode(tokenizer, text) for kind, text in PROMPTS.items()}
+    rows = run_methods(demo_methods(target, drafting, ViaSDConfig()), prompts, max_new_tokens)
+    report = DemoReport(target_name, drafter_name or "prompt lookup", precision, rows, max_new_tokens,
+                        torch.get_num_threads())  # fmt: skip
+    print_report(report, tokenizer)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        print(f"[json] {json_path}")
+    return report
+
+
+def dtype_name(model: nn.Module) -> str:
+    return str(model.dtype).removeprefix("torch.")
+
+
+def print_report(report: DemoReport, tokenizer) -> None:
+    viasd = next(row for row in report.rows if row.method == "VIA-SD")
+    print(f"\n[{next(iter(PROMPTS))}] {tokenizer.decode(viasd.outputs[next(iter(PROMPTS))], skip_special_tokens=True)}\n")
+    for role, form in report.precision.items():
+        print(f"[precision] {role}: {form}")
+    print(f"[setup] {len(PROMPTS)} prompts ({', '.join(PROMPTS)}) x {report.max_new_tokens} new tokens, greedy, "
+          f"{report.threads} threads; every method warmed up, methods taking turns per prompt\n")  # fmt: skip
+    print(report.table())
+    if any(not row.identical for row in report.rows) and report.precision["target"].startswith("bfloat16"):
+        print("(in bf16 a pass over several tokens rounds differently from a one-token pass: where greedy's two best "
+              "tokens lie within a rounding step, an exact method may take the other one, and the text runs on from "
+              "there; in float32 lossless VIA-SD is token-identical to greedy)")  # fmt: skip
+    for kind, stats in viasd.stats.items():
+        print(f"[VIA-SD, {kind}] {stats.summary()}; {stats.speculation_verdict or ''}")
+    best = max(report.baselines(), key=lambda name: next(r for r in report.rows if r.method == name).tokens_per_second)
+    verdict = "faster" if report.ratio("VIA-SD", best) > 1 else "not faster"
+    print(f"\n[verdict] VIA-SD is {verdict} than the best alternative here ({best}): "
+          f"{report.ratio('VIA-SD', best):.2f}x, {report.ratio('VIA-SD', 'greedy'):.2f}x greedy")  # fmt: skip

@@ -1,0 +1,127 @@
+"""The floor under every drafter: plain one-token decoding, whenever speculation does not pay.
+
+Speculation pays when a block's tokens cost less time than as many one-token passes. That fails
+on machines where verifying ``k`` tokens costs about ``k`` one-token passes (bf16 matrix products
+emulated on a CPU without native bf16: a pass over 6 new tokens costs 4.6× a one-token pass), with
+a drafter that is slow for its acceptance, or on text the drafter cannot predict. None of that can
+be known before decoding on the user's machine, so the decoder measures both regimes and uses the
+faster (``SpeculationSwitch``):
+
+- **speculating**: blocks as the paper has them (draft, verify, commit), their throughput measured
+  block by block, drafting and the loop's own work included;
+- **plain**: blocks without a draft, one full pass and one token each, as ``generate`` decodes.
+
+The regime not in use is probed now and then (``probing.ProbeSchedule``), so a change of text is
+noticed; while probes confirm the choice they grow rare. Plain blocks give the full model's own
+token, so in lossless greedy decoding the output is the same whichever regime runs; elsewhere the
+regime changes which tokens are drafted and drawn, so the switch runs exactly where measured
+timings may steer a call (``adaptive.measures_wall_clock``), remembered with the draft planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from viasd_hf.models.machine import native_bf16
+from viasd_hf.control.backoff import ProbeSchedule
+
+
+@dataclass
+class FadedRate:
+    """Tokens per second over faded sums: each new block outweighs the older ones by ``1 / decay``."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def observe(self, tokens: int, seconds: float, decay: float) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+@dataclass
+class SpeculationSwitch:
+    """Whether the next block speculates or decodes one token plainly; both regimes' throughput, measured.
+
+    A probe of the other regime lasts ``probe_blocks`` blocks; it switches when the other regime
+    was faster (speculation must win by ``margin``: plain decoding is the safe choice). Between
+    probes, a speculating decoder falls back as soon as its throughput drops below what plain
+    decoding last measured.
+    """
+
+    speculating: bool = True
+    schedule: ProbeSchedule = field(default_factory=lambda: ProbeSchedule(first=2, every=16, longest=512))
+    probe_blocks: int = 4
+    decay: float = 0.85  # per block of the regime measured
+    margin: float = 0.03
+    speculative: FadedRate = field(default_factory=FadedRate)
+    plain: FadedRate = field(default_factory=FadedRate)
+    block: int = 0
+    probed: int = 0  # blocks of the probe under way
+    switches: list[dict] = field(default_factory=list)
+    advised: bool = False  # whether the user was told why decoding fell back (``fallback_advice``)
+
+    def speculates(self) -> bool:
+        """Whether the next block drafts."""
+        return self.speculating != self.schedule.due(self.block)
+
+    def observe(self, speculated: bool, tokens: int, seconds: float) -> None:
+        """A finished block of either regime: what it committed and the seconds it took, drafting included."""
+        probing = self.schedule.due(self.block)
+        (self.speculative if speculated else self.plain).observe(tokens, seconds, self.decay)
+        self.block += 1
+        if not probing:
+            if self.speculating and self._other_is_faster():
+                self._switch()
+            return
+        self.probed += 1
+        if self.probed < self.probe_blocks:
+            return
+        self.probed = 0
+        if self._other_is_faster():
+            self._switch()
+        else:
+            self.schedule.confirmed(self.block)
+
+    def verdict(self) -> str:
+        """Where the switch stands and why, in words: what ``viasd_stats.speculation_verdict`` reports."""
+        state = "speculating" if self.speculating else "plain decoding"
+        return f"{state}: {self.describe()}"
+
+    def describe(self) -> str:
+        speculative, plain = self.speculative.rate(), self.plain.rate()
+        if speculative is None or plain is None:
+            return "not yet compared"
+        return f"speculative blocks {speculative:.2f} tokens/s, plain decoding {plain:.2f} tokens/s"
+
+    def _other_is_faster(self) -> bool:
+        speculative, plain = self.speculative.rate(), self.plain.rate()
+        if speculative is None or plain is None:
+            return False
+        if self.speculating:
+            return plain > speculative
+        return speculative > plain * (1 + self.margin)
+
+    def _switch(self) -> None:
+        self.speculating = not self.speculating
+        self.schedule.switched(self.block)
+        self.switches.append({"block": self.block, "regime": "speculating" if self.speculating else "plain",
+                              "reason": self.describe()})  # fmt: skip
+
+
+def fallback_advice(model: torch.nn.Module, verify_ratio: float | None) -> str:
+    """What to tell a user whose decoding fell back to plain: the measured cost of verifying, and what to change.
+
+    ``verify_ratio``: what a pass over 6 new tokens costs relative to a one-token pass, as measured."""
+    measured = f"; a pass over 6 new tokens costs {verify_ratio:.1f}x a one-token pass here" if verify_ratio else ""
+    advice = "a cheaper or better-matched drafter may let speculation pay"
+    if model.dtype == torch.bfloat16 and model.device.type == "cpu" and not native_bf16():
+        advice = ("this CPU has no native bf16, so bf16 matrix products are emulated and verifying k tokens costs about "
+                  "k one-token passes: load the target in float32 (load_pretrained(name, dtype='auto') measures which "
+                  "is faster)")  # fmt: skip
+    return f"speculation does not pay for this model on this machine, so VIA-SD decodes plainly{measured}: {advice}"
+

@@ -1,0 +1,56 @@
+"""An assistant model drafting in the fastest form measured on this machine, where that cannot change the output.
+
+In lossless greedy decoding every committed token is the target's own choice, so the drafter's
+precision changes only how fast drafts come and how many the target keeps. A drafter loaded in
+float32 on a CPU with native bf16, or in bf16 on one without, drafts slower than it could; with
+``ViaSDConfig.drafter_precision="auto"`` VIA-SD drafts with a copy in the unquantised form measured
+fastest here (fp32, bf16, or fp16 where the CPU computes in it): measured by
+:func:`viasd_hf.models.quantization.resolve_dtype` once per architecture and machine (about half a minute
+for a 0.5B model), then read from the cache. One copy per drafter is kept while the drafter lives,
+so the conversion is paid once and later calls reuse it; a drafter whose weights change afterwards
+keeps its first copy, so pass ``"as_loaded"`` for one that is still being trained. The user's model
+is never changed. Tiered mode, sampling and ``"as_loaded"`` draft with the model as given: there the
+drafter's distribution shapes the output.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+from torch import nn
+
+from viasd_hf.config import ViaSDConfig
+from viasd_hf.models.quantization import UNQUANTIZED
+from viasd_hf.models.quantization import resolve_dtype
+from viasd_hf.models.quantization.choice import unquantized_candidates
+from viasd_hf.models.quantization.measure import converted
+
+_COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module | None] = weakref.WeakKeyDictionary()  # None: drafts as is
+_LOCK = threading.Lock()
+
+
+def drafter_for_call(drafter: nn.Module | None, config: ViaSDConfig, do_sample: bool) -> nn.Module | None:
+    """The model that drafts for this call: the drafter's fastest form where its precision cannot change the output."""
+    if drafter is None or config.drafter_precision == "as_loaded" or config.mode != "lossless" or do_sample:
+        return drafter
+    return fastest_form(drafter)
+
+
+def convertible(drafter: nn.Module) -> bool:
+    """An unquantised model on CPU in a form that is measured (float64 stays: it asks for exactness, not speed)."""
+    if getattr(drafter, "hf_quantizer", None) is not None or drafter.device.type != "cpu":
+        return False
+    if any(type(module).__module__.startswith("torch.ao.nn.quantized") for module in drafter.modules()):
+        return False  # quantised after loading (torch.ao's dynamic int8)
+    return drafter.dtype in {form.dtype for form in UNQUANTIZED.values()}
+
+
+def fastest_form(drafter: nn.Module) -> nn.Module:
+    """The drafter's copy in its fastest form on this machine, made on its first call; the drafter itself when it
+    is in that form already or cannot be converted. Calls wait for one another, so one copy is made."""
+    with _LOCK:
+        if drafter not in _COPIES:
+            form = resolve_dtype(drafter, unquantized_candidates()).scheme if convertible(drafter) else None
+            _COPIES[drafter] = None if form is None or form.dtype == drafter.dtype else converted(drafter, form)
+        copy = _COPIES[drafter]
+    return drafter if copy is None else copy

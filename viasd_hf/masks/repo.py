@@ -1,0 +1,180 @@
+"""Where a model pair's routing mask lives in a masks repo, and where a pair's mask is looked up.
+
+One Hub repo holds the masks of many model pairs; the ``hub_masks/`` folder shipped with viasd_hf
+mirrors its layout::
+
+    <target-slug>/<drafter folder>/routing_mask.json
+    <target-slug>/<drafter folder>/search_log.jsonl    (when the search left one)
+    <target-slug>/<drafter folder>/mask_set.json       (a set of masks for the pair, when there is one:
+    <target-slug>/<drafter folder>/masks/<name>.json    its index, and its members but the default,
+                                                        which is routing_mask.json; viasd_hf.masks.mask_set)
+    README.md                                          (model card listing every pair, generated)
+
+A slug is the model id lowercased with ``/`` replaced by ``--``, so a zoo name such as
+``qwen2.5-coder-1.5b-instruct`` stays as it is and ``Qwen/Qwen2.5-Coder-1.5B-Instruct`` becomes
+``qwen--qwen2.5-coder-1.5b-instruct``. The drafter folder is the drafter model's slug, or one of
+two names for masks that go with no drafter model:
+
+- ``model-free`` (:data:`MODEL_FREE`): the slim verifier's mask when the drafts come from no
+  drafter model (prompt lookup, the self-drafter). Masks searched without a drafter record the
+  drafter id ``"self"``, which names this folder too (``viasd pull --drafter self``).
+- ``self-draft`` (:data:`SELF_DRAFT`): the self-drafter's own, heavier drafting mask
+  (``ViaSDConfig.self_draft_mask``), asked for by ``generate`` and ``viasd bench`` as the drafter
+  id ``"self-drafter"``.
+
+These folders used to be called ``self`` and ``self-drafter``, names that read the wrong way
+round; masks already published under them are still found (:data:`LEGACY_FOLDERS`).
+
+Where a pair's mask is looked up:
+
+- with an explicit ``repo_id`` or ``revision``: that repo and revision only. A miss is an error;
+  the shipped masks never stand in for an explicit request.
+- by default (``$VIASD_MASKS_REPO``, else the project's repo; ``main``): that repo, then the
+  shipped folder, which is only ever read from disk.
+
+In each place, a pair's mask set is looked for before its single mask when both are asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+from huggingface_hub import HfApi
+from huggingface_hub.errors import EntryNotFoundError
+
+from viasd_hf.hub.files import HUB_MISSES
+
+from viasd_hf.hub.files import Lookup
+
+from viasd_hf.hub.files import NotFoundError
+
+from viasd_hf.hub.files import describe_miss
+
+from viasd_hf.hub.files import fetch
+
+from viasd_hf.hub.files import not_found_message
+
+MASK_FILENAME = "routing_mask.json"
+MASK_SET_FILENAME = "mask_set.json"
+MEMBERS_FOLDER = "masks"  # a mask set's members, but its default (routing_mask.json)
+SEARCH_LOG_FILENAME = "search_log.jsonl"
+DEFAULT_MASKS_REPO = "viasd-hf/routing-masks"
+MASKS_REPO_ENV = "VIASD_MASKS_REPO"
+
+MODEL_FREE = "model-free"
+SELF_DRAFT = "self-draft"
+# Drafter ids that name no drafter model, and their folders (see the module docstring).
+_FOLDER_OF_DRAFTER_ID = {"self": MODEL_FREE, "self-drafter": SELF_DRAFT}
+# The drafter folders' former names: a mask missing under the new name is looked for under the old one on the Hub.
+LEGACY_FOLDERS = {MODEL_FREE: "self", SELF_DRAFT: "self-drafter"}
+
+HOW_TO_GET_A_MASK = (
+    "To get a mask: search one for the model with `viasd search` (and publish it with `viasd push`), "
+    "or download a published one with `viasd pull --target TARGET --drafter DRAFTER --repo-id REPO --out DIR`."
+)
+
+
+def model_slug(model_id: str) -> str:
+    """The folder name of a model in a masks repo: the id lowercased, ``/`` replaced by ``--``."""
+    return model_id.strip().strip("/").lower().replace("/", "--")
+
+
+def drafter_folder(drafter: str) -> str:
+    """The folder of masks made for ``drafter``: a drafter model's slug, or a folder of the module docstring."""
+    slug = model_slug(drafter or "self")
+    return _FOLDER_OF_DRAFTER_ID.get(slug, slug)
+
+
+def pair_folder(target: str, drafter: str = "self") -> str:
+    """The folder of the ``(target, drafter)`` pair in a masks repo (ids or slugs alike)."""
+    return f"{model_slug(target)}/{drafter_folder(drafter)}"
+
+
+def mask_path_in_repo(target: str, drafter: str = "self") -> str:
+    """Where the mask of the ``(target, drafter)`` pair lives in a masks repo."""
+    return f"{pair_folder(target, drafter)}/{MASK_FILENAME}"
+
+
+def mask_set_files(paths: list[str], folder: str) -> list[str]:
+    """Those of ``paths`` (in a repo) that belong to a mask set in ``folder``: its index and its members but the default."""
+    return [path for path in paths if path == f"{folder}/{MASK_SET_FILENAME}" or path.startswith(f"{folder}/{MEMBERS_FOLDER}/")]
+
+
+def default_masks_repo() -> str:
+    """The masks repo to look pairs up in: ``$VIASD_MASKS_REPO``, else the project's public one."""
+    return os.environ.get(MASKS_REPO_ENV) or DEFAULT_MASKS_REPO
+
+
+def shipped_mask_dir() -> Path:
+    """The ``hub_masks`` folder shipped with viasd_hf: inside the package when installed from a wheel,
+    at the repository root in a source checkout (editable installs included)."""
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "hub_masks"
+    return installed if installed.is_dir() else package.parent / "hub_masks"
+
+
+class PairFile(NamedTuple):
+    """A pair's file as found: its local copy, where it was found, and its repo and path there (``None`` when shipped)."""
+
+    path: Path
+    where: str
+    repo_id: str | None
+    path_in_repo: str | None
+
+
+def find_pair_file(
+    api: HfApi,
+    target: str,
+    drafter: str,
+    repo_id: str | None,
+    lookup: Lookup,
+    filenames: tuple[str, ...] = (MASK_FILENAME,),
+    *,
+    fallback_drafters: tuple[str, ...] = (),
+    what: str = "routing mask",
+    how_to: str = HOW_TO_GET_A_MASK,
+) -> PairFile:
+    """The first of ``filenames`` found for the ``(target, drafter)`` pair, in the order of the module docstring.
+
+    ``fallback_drafters`` are folders of the same target looked in after the pair's own, in each
+    place (a draft vocabulary is the target's, so any drafter may use the ``model-free`` one).
+    Raises ``NotFoundError`` naming every place it looked, ``what`` it looked for and ``how_to`` get one.
+    """
+    headline = f"no {what} for target {target!r} with drafter {drafter!r}"
+    folders = tuple(dict.fromkeys(drafter_folder(name) for name in (drafter, *fallback_drafters)))
+    explicit = repo_id is not None or lookup["revision"] is not None
+    repo_id = repo_id or default_masks_repo()
+    looked: list[str] = []
+    for filename, note in _paths_on_hub(target, folders, filenames):
+        try:
+            return PairFile(*fetch(api, repo_id, filename, lookup), repo_id, filename)
+        except HUB_MISSES as error:
+            looked.append(note + describe_miss(api, repo_id, filename, lookup["revision"], error))
+            if not isinstance(error, EntryNotFoundError):  # no repo, revision or answer: another path misses alike
+                break
+    if explicit:  # that repo and revision, or an error: never a file the caller did not ask for
+        raise NotFoundError(
+            not_found_message(headline, looked, how_to) + "\nThe files shipped with viasd_hf are only "
+            "used when neither repo_id nor revision is given."
+        )
+    for folder in folders:
+        for filename in filenames:
+            shipped = shipped_mask_dir() / model_slug(target) / folder / filename
+            if shipped.is_file():
+                return PairFile(shipped, f"the files shipped with viasd_hf ({shipped})", None, None)
+            looked.append(f"shipped with viasd_hf: no {shipped}")
+    raise NotFoundError(not_found_message(headline, looked, how_to))
+
+
+def _paths_on_hub(target: str, folders: tuple[str, ...], filenames: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The files in each drafter folder of a masks repo, then under the folder's legacy name (if it had one)."""
+    paths: list[tuple[str, str]] = []
+    for folder in folders:
+        paths += [(f"{model_slug(target)}/{folder}/{filename}", "") for filename in filenames]
+        if folder in LEGACY_FOLDERS:
+            legacy = f"{model_slug(target)}/{LEGACY_FOLDERS[folder]}"
+            note = f"legacy folder {LEGACY_FOLDERS[folder]}/ of {folder}/: "
+            paths += [(f"{legacy}/{filename}", note) for filename in filenames]
+    return paths

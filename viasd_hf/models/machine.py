@@ -1,0 +1,91 @@
+"""This machine, as the verdicts measured on it are keyed, and where those verdicts are kept.
+
+Which kernel is fastest, and whether it is batch-invariant, depends on the CPU's instruction set,
+the thread count and the library versions, so such facts are measured here, never hard-coded, and
+cached as JSON under ``$VIASD_HOME/quantization``: another machine, or an upgrade, measures anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from viasd_hf.models.zoo import viasd_home
+
+_CPU_FLAGS = (
+    "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_bf16", "amx_fp16", "amx_int8",
+    "asimd", "asimdhp", "sve", "bf16", "fphp",
+)  # fmt: skip
+_NATIVE_FP16 = ("avx512_fp16", "amx_fp16", "asimdhp")
+LIBRARIES = ("torch", "transformers", "bitsandbytes", "torchao")
+
+
+def cpu_identity() -> dict[str, Any]:
+    """The CPU model and the instruction-set extensions quantised and half-precision kernels dispatch on."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(info.get("flags", info.get("Features", "")).split())
+    model = info.get("model name") or platform.processor() or platform.machine()
+    ids = [info.get(k) for k in ("cpu family", "model", "stepping")]
+    return {"model": model, "id": "/".join(i for i in ids if i), "flags": sorted(flags.intersection(_CPU_FLAGS)),
+            "cpus": os.cpu_count()}  # fmt: skip
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 matrices itself (AVX512-BF16 or AMX); elsewhere bf16 products are emulated."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_identity()["flags"]))
+
+
+def native_fp16() -> bool:
+    """Whether the CPU computes in float16 itself; elsewhere fp16 matmuls convert to float32 and are slow."""
+    return any(flag in cpu_identity()["flags"] for flag in _NATIVE_FP16)
+
+
+def library_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_key() -> dict[str, Any]:
+    """The CPU, torch's thread count and the library versions: what a kernel's behaviour may depend on."""
+    return {"cpu": cpu_identity(), "threads": torch.get_num_threads(),
+            "versions": {p: library_version(p) for p in LIBRARIES}}  # fmt: skip
+
+
+def record_path(key: dict[str, Any], stem: str) -> Path:
+    """``$VIASD_HOME/quantization/<stem>-<hash of key>.json``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in stem)
+    return viasd_home() / "quantization" / f"{safe}-{digest}.json"
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """The JSON object at ``path``; None when there is none or it cannot be read (cut short, edited by hand),
+    so the caller measures again instead of failing."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Written whole or not at all (a partial file, then a rename), so a concurrent reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".partial-{os.getpid()}")
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(partial, path)
