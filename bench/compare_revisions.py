@@ -24,9 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run inside each subprocess, with the revision's package first on sys.path.
 WORKLOAD = r'''
 import json, sys, time, torch
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.models.loading import load_pretrained
 
 torch.set_num_threads(int(sys.argv[1]))

@@ -153,7 +153,7 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
-# -- what a VIA-SD call did (issue 11 §6: tests a pass-through to plain ``generate`` would fail) -----------------
+# -- what a VIA-SD call did (what a pass-through to plain ``generate`` could not show) -----------------
 
 
 def assert_stats_consistent(stats, new_tokens: int, mode: str, stopped_inside_block: bool = False) -> None:

@@ -8,16 +8,11 @@ import pytest
 import torch
 
 from conftest import zoo
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
+from viasd_hf import RoutingMask, ViaSDConfig
 from viasd_hf.engine import loop as decoding
 from viasd_hf import enable_viasd
 from viasd_hf.engine import verifier
-from viasd_hf.control.tier_controller import BlockCost
-from viasd_hf.control.tier_controller import RepairLedger
-from viasd_hf.control.tier_controller import TierController
-from viasd_hf.control.tier_controller import PricedBlocks
-from viasd_hf.control.tier_controller import measures_wall_clock
+from viasd_hf.control.tier_controller import BlockCost, RepairLedger, TierController, PricedBlocks, measures_wall_clock
 from viasd_hf.masks.architectures import decoder_layers
 from viasd_hf.control.memory import tier_memory
 

@@ -10,13 +10,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from conftest import VOCAB, near_copy, tiny_causal_lm
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.engine import attention
-from viasd_hf.engine.attention import fastest_attention
-from viasd_hf.engine.attention import forget_kernel_choices
-from viasd_hf.engine.attention import kernel_choices
+from viasd_hf.engine.attention import fastest_attention, forget_kernel_choices, kernel_choices
 from viasd_hf.engine.kv_cache import new_cache
 
 
@@ -136,8 +132,7 @@ def test_reproducible_calls_do_not_steer(always):
 
 
 def test_the_kernel_choice_is_a_validated_config_field_and_a_bench_lever():
-    from viasd_hf.bench.methods import STEERED_REFERENCE
-    from viasd_hf.bench.methods import MethodName
+    from viasd_hf.bench.methods import STEERED_REFERENCE, MethodName
 
     with pytest.raises(ValueError, match="attention must be one of"):
         ViaSDConfig(mode="tiered", attention="eager")

@@ -10,14 +10,8 @@ import torch
 
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
-from viasd_hf.bench.methods import METHODS
-from viasd_hf.bench.methods import MethodName
-from viasd_hf.bench.methods import MethodTable
-from viasd_hf.bench.methods import Outcome
-from viasd_hf.bench.runner import MethodRuns
-from viasd_hf.bench.runner import agreement
-from viasd_hf.bench.runner import run_methods
-from viasd_hf.bench.runner import summarise
+from viasd_hf.bench.methods import METHODS, MethodName, MethodTable, Outcome
+from viasd_hf.bench.runner import MethodRuns, agreement, run_methods, summarise
 from viasd_hf.data.tasks import Example
 from viasd_hf.cli import main
 

@@ -7,10 +7,8 @@ import torch
 
 from conftest import tiny_causal_lm, tiny_t5
 from test_bench import outcome
-from viasd_hf.bench.fidelity import full_model_agreement
-from viasd_hf.bench.fidelity import full_model_choices
-from viasd_hf.bench.runner import MethodRuns
-from viasd_hf.bench.runner import summarise
+from viasd_hf.bench.fidelity import full_model_agreement, full_model_choices
+from viasd_hf.bench.runner import MethodRuns, summarise
 from viasd_hf.data.tasks import Example
 
 pytestmark = pytest.mark.usefixtures("single_thread")

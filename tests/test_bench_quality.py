@@ -13,10 +13,7 @@ from viasd_hf.bench.quality import humaneval_program
 from viasd_hf.bench.quality import passes_tests
 
 from viasd_hf.bench.quality import quality
-from viasd_hf.data.tasks import TASK_METRICS
-from viasd_hf.data.tasks import Example
-from viasd_hf.data.tasks import data_dir
-from viasd_hf.data.tasks import load_examples
+from viasd_hf.data.tasks import TASK_METRICS, Example, data_dir, load_examples
 
 CAT = "The cat sat on the mat. It was a sunny day in the garden."
 

@@ -22,7 +22,7 @@ from viasd_hf.data.tasks import (
     load_examples,
     load_jsonl,
 )
-from viasd_hf.dimr.calibration import spec_bench_path
+from viasd_hf.calibration.windows import spec_bench_path
 
 
 def test_default_data_dir_is_the_packaged_folder(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,7 +59,7 @@ def test_packaged_readme_lists_every_file_with_its_sha256_and_records() -> None:
 
 
 def test_packaged_data_stays_small() -> None:
-    """The data ships in the repository and the wheel: the issue's budget is about 5 MB."""
+    """The data ships in the repository and the wheel: its budget is about 5 MB."""
     assert sum(p.stat().st_size for p in PACKAGED_DATA.rglob("*") if p.is_file()) < 5_000_000
 
 

@@ -6,14 +6,8 @@ import pytest
 import torch
 
 from conftest import VOCAB, assert_stats_consistent, near_copy, rounding_tolerance, tiny_causal_lm
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import viasd_generate
-from viasd_hf.engine.branching import RunnerUp
-from viasd_hf.engine.branching import can_branch
-from viasd_hf.engine.branching import keep_leaf
-from viasd_hf.engine.branching import leaf_inputs
-from viasd_hf.engine.branching import runner_up
+from viasd_hf import RoutingMask, ViaSDConfig, viasd_generate
+from viasd_hf.engine.branching import RunnerUp, can_branch, keep_leaf, leaf_inputs, runner_up
 from viasd_hf.engine.kv_cache import new_cache
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -41,8 +35,7 @@ def test_the_runner_up_goes_where_the_drafter_rates_it_likeliest_to_be_needed():
 
 
 def test_a_leaf_is_worth_its_row_when_it_is_likely_enough_and_rows_are_cheap():
-    from viasd_hf.control.draft_planner import DraftPlanner
-    from viasd_hf.control.draft_planner import StaticCosts
+    from viasd_hf.control.draft_planner import DraftPlanner, StaticCosts
 
     cheap_rows, dear_rows = (DraftPlanner(StaticCosts(drafter=0.2, per_token=b), longest=10) for b in (0.01, 0.2))
     assert cheap_rows.leaf_threshold([0.9, 0.5]) < dear_rows.leaf_threshold([0.9, 0.5])

@@ -16,12 +16,9 @@ from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
 from viasd_hf.models import loading as models
 from viasd_hf.bench.methods import Outcome
-from viasd_hf.bench.runner import MethodRuns
-from viasd_hf.bench.runner import run_methods
-from viasd_hf.bench.runner import summarise
+from viasd_hf.bench.runner import MethodRuns, run_methods, summarise
 from viasd_hf.data.tasks import Example
-from viasd_hf.cli import args as cli_args
-from viasd_hf.cli import main
+from viasd_hf.cli import args as cli_args, main
 
 SMALL = "smollm2-135m-instruct"
 

@@ -13,10 +13,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import VOCAB, near_copy, tiny_causal_lm
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
-from viasd_hf import routed
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, routed
 from viasd_hf.masks.architectures import decoder_layers
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=16)

@@ -10,19 +10,10 @@ import torch
 from conftest import tiny_causal_lm
 from test_dimr import ByteTokenizer, sharpened
 from viasd_hf import RoutingMask
-from viasd_hf.dimr.calibration import Prompt
-from viasd_hf.dimr.calibration import Window
-from viasd_hf.dimr.calibration import at_depths
-from viasd_hf.dimr.calibration import build_windows
+from viasd_hf.calibration.windows import Prompt, Window, at_depths, build_windows
 from viasd_hf.cli.search import add_search_command
-from viasd_hf.data.corpus import FAMILIES
-from viasd_hf.data.corpus import HELDOUT_PER_FAMILY
-from viasd_hf.data.corpus import SPLITS
-from viasd_hf.data.corpus import content_keys
-from viasd_hf.data.corpus import pool
-from viasd_hf.data.corpus import stratified_corpus
-from viasd_hf.dimr.heldout import heldout_comparison
-from viasd_hf.dimr.heldout import heldout_prompts
+from viasd_hf.calibration.corpus import FAMILIES, HELDOUT_PER_FAMILY, SPLITS, content_keys, pool, stratified_corpus
+from viasd_hf.dimr.heldout import heldout_comparison, heldout_prompts
 from viasd_hf.dimr.report import heldout_markdown
 
 

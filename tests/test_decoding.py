@@ -19,11 +19,7 @@ from conftest import (
     without_layers,
     work_done,
 )
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import ViaSDGenerationMixin
-from viasd_hf import enable_viasd
-from viasd_hf import viasd_generate
+from viasd_hf import RoutingMask, ViaSDConfig, ViaSDGenerationMixin, enable_viasd, viasd_generate
 from viasd_hf.engine.loop import LONGEST_TWO_TIER_DRAFT
 from viasd_hf.control.draft_planner import DraftPlanner
 
@@ -297,7 +293,7 @@ def test_a_drafter_that_is_the_target_has_every_draft_accepted(pair, masks, tier
 def slim_greedy_reference(model, skip, ids, max_new_tokens):
     """The slim verifier's greedy continuation, built by hand from a copy of ``model`` without the ``skip`` layers.
 
-    As DESIGN §4 (B) has it, the slim verifier reads the full model's committed prefix: here the prompt
+    As docs/design.md, "The KV cache" has it, the slim verifier reads the full model's committed prefix: here the prompt
     but its last token, which the full model prefills. From there on each token is the slim model's
     argmax over the rest (fed afresh on that prefill cache each step, as the slim pass does while the
     full model never catches up). A one-token prompt has nothing to prefill: the reference is then the

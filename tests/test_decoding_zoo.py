@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from conftest import NEAR_TIE_REPORT, assert_stats_consistent, first_near_tie, zoo
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.data.tasks import load_examples
 
 pytestmark = pytest.mark.integration

@@ -16,14 +16,8 @@ from viasd_hf import RoutingMask
 from viasd_hf.dimr import calibration as calibration_module
 from viasd_hf import dimr
 from viasd_hf.masks.architectures import protected_layers
-from viasd_hf.dimr.calibration import Prompt
-from viasd_hf.dimr.calibration import TeacherForcedReference
-from viasd_hf.dimr.calibration import Window
-from viasd_hf.dimr.calibration import build_calibration
-from viasd_hf.dimr.calibration import greedy_continuation
-from viasd_hf.dimr.calibration import split_prompts
-from viasd_hf.cli.search import add_search_command
-from viasd_hf.cli.search import search_command_line
+from viasd_hf.calibration.windows import Prompt, TeacherForcedReference, Window, build_calibration, greedy_continuation, split_prompts
+from viasd_hf.cli.search import add_search_command, search_command_line
 from viasd_hf.dimr import (
     baseline_table,
     budget,

@@ -8,12 +8,7 @@ import torch
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
 from viasd_hf.engine.accept import Draft
-from viasd_hf.control.draft_planner import CONFIDENCE_EDGES
-from viasd_hf.control.draft_planner import AcceptanceModel
-from viasd_hf.control.draft_planner import DraftPlanner
-from viasd_hf.control.draft_planner import MeasuredCosts
-from viasd_hf.control.draft_planner import StaticCosts
-from viasd_hf.control.draft_planner import weight_bytes
+from viasd_hf.control.draft_planner import CONFIDENCE_EDGES, AcceptanceModel, DraftPlanner, MeasuredCosts, StaticCosts, weight_bytes
 
 
 def drafted(planner: DraftPlanner, confidence: float, limit: int = 50) -> int:
@@ -140,8 +135,7 @@ def test_the_planner_is_remembered_across_calls_where_timings_may_steer_and_nowh
     """As HF keeps its assistant's draft length on the assistant, a lossless greedy call starts from what the
     last call on the model learned; a sampling call, whose draws draft lengths change, starts afresh."""
     from conftest import near_copy
-    from viasd_hf import ViaSDConfig
-    from viasd_hf import enable_viasd
+    from viasd_hf import ViaSDConfig, enable_viasd
     from viasd_hf.control.memory import tier_memory
 
     target = enable_viasd(tiny_causal_lm("llama", seed=0))

@@ -7,11 +7,8 @@ import torch
 from transformers import LogitsProcessorList
 
 from conftest import VOCAB, near_copy, tiny_causal_lm
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import viasd_generate
-from viasd_hf.drafters import ATTENTION_SINK_TOKENS
-from viasd_hf.drafters import AssistantDrafter
+from viasd_hf import RoutingMask, ViaSDConfig, viasd_generate
+from viasd_hf.drafters import ATTENTION_SINK_TOKENS, AssistantDrafter
 from viasd_hf.engine.state import ModelInputs
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -74,8 +71,7 @@ def test_a_left_padded_prompt_is_read_whole(pair):
 
 
 def test_the_drafter_context_is_a_validated_config_field_and_a_bench_lever():
-    from viasd_hf.bench.methods import MethodName
-    from viasd_hf.bench.methods import MethodSettings
+    from viasd_hf.bench.methods import MethodName, MethodSettings
     from viasd_hf.cli.args import tokens_or_none
 
     with pytest.raises(ValueError, match="drafter_context must be >= 1"):

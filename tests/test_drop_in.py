@@ -13,12 +13,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, RecordingStreamer, near_copy, tiny_causal_lm
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import ViaSDGenerationMixin
-from viasd_hf import disable_viasd
-from viasd_hf import enable_viasd
-from viasd_hf import viasd_generate
+from viasd_hf import RoutingMask, ViaSDConfig, ViaSDGenerationMixin, disable_viasd, enable_viasd, viasd_generate
 from viasd_hf.masks.architectures import decoder_layers
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -10,10 +10,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureL
 
 from conftest import VOCAB, assert_stats_consistent, tiny_t5
 from test_sampling import acceptance, total_variation
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
-from viasd_hf import routed
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, routed
 from viasd_hf.engine.loop import ViaSDDecoder
 from viasd_hf.drafters import SelfDrafter
 from viasd_hf.generation import initial_state

@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from conftest import assert_stats_consistent, tiny_causal_lm
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
-from viasd_hf.control.speculation_switch import SpeculationSwitch
-from viasd_hf.control.speculation_switch import fallback_advice
+from viasd_hf import ViaSDConfig, enable_viasd
+from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
 from viasd_hf.control.backoff import ProbeSchedule
 
 

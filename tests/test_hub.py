@@ -19,14 +19,10 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from conftest import tiny_causal_lm
 from hub_server import FakeHub, serve
-from viasd_hf import MaskSet
-from viasd_hf import RoutingMask
-from viasd_hf import RoutingMaskError
-from viasd_hf import ViaSDConfig
+from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig
 from viasd_hf.hub import files as hub_files
 from viasd_hf.masks import repo as mask_repo
-from viasd_hf import routed
-from viasd_hf import viasd_generate
+from viasd_hf import routed, viasd_generate
 from viasd_hf.cli import main
 from viasd_hf.cli.hub import add_hub_commands
 from viasd_hf.generation import resolve_mask

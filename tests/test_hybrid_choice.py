@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 from conftest import tiny_causal_lm
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.engine.accept import Draft
 from viasd_hf.drafters import HybridDrafter
 from viasd_hf.control.hybrid_choice import CopyOrDraft

@@ -1,4 +1,4 @@
-"""Mask sets (issue 14 §2): a set per model pair on disk and on the Hub, and the online choice among its masks."""
+"""Mask sets: a set per model pair on disk and on the Hub, and the online choice among its masks."""
 
 from __future__ import annotations
 
@@ -11,23 +11,16 @@ from huggingface_hub import HfApi, constants
 
 from conftest import assert_stats_consistent, tiny_causal_lm
 from hub_server import FakeHub, serve
-from viasd_hf import MaskSet
-from viasd_hf import RoutingMask
-from viasd_hf import RoutingMaskError
-from viasd_hf import ViaSDConfig
+from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig
 from viasd_hf.hub import files as hub_files
 from viasd_hf.masks import repo as mask_repo
 from viasd_hf import viasd_generate
 from viasd_hf.cli import main
 from viasd_hf.masks.resolved import clear_mask_cache
-from viasd_hf.control.mask_chooser import MaskChoice
-from viasd_hf.control.mask_chooser import MaskChooser
+from viasd_hf.control.mask_chooser import MaskChoice, MaskChooser
 from viasd_hf.masks.mask_set import resolve_slim_masks
-from viasd_hf.engine.policies import BlockResult
-from viasd_hf.engine.policies import SlimCheck
-from viasd_hf.engine.policies import Tiers
-from viasd_hf.control.memory import mask_chooser
-from viasd_hf.control.memory import tier_memory
+from viasd_hf.engine.policies import BlockResult, SlimCheck, Tiers
+from viasd_hf.control.memory import mask_chooser, tier_memory
 from viasd_hf.engine.verifier import TierLogits
 
 REPO = "viasd-test/routing-masks"
@@ -317,8 +310,7 @@ def test_the_bench_reports_the_mask_chosen_next_to_the_static_mask(target, draft
 
     from viasd_hf.bench.methods import MethodTable
     from viasd_hf.bench.report import mask_markdown
-    from viasd_hf.bench.runner import run_methods
-    from viasd_hf.bench.runner import summarise
+    from viasd_hf.bench.runner import run_methods, summarise
     from viasd_hf.data.tasks import Example
 
     masks = two_masks(target)

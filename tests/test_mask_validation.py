@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_causal_lm
-from viasd_hf import RoutingMask
-from viasd_hf import RoutingMaskError
+from viasd_hf import RoutingMask, RoutingMaskError
 from viasd_hf.masks.routing_mask import MASK_FILENAME
 
 

@@ -23,10 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from viasd_hf.models import zoo
 from viasd_hf.models.loading import load_pretrained
-from viasd_hf.models.zoo import ZooChecksumError
-from viasd_hf.models.zoo import ZooFetchError
-from viasd_hf.models.zoo import ZooModel
-from viasd_hf.models.zoo import resolve_zoo_model
+from viasd_hf.models.zoo import ZooChecksumError, ZooFetchError, ZooModel, resolve_zoo_model
 
 FAKE = "tiny-llama-test"
 

@@ -13,11 +13,9 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB, near_copy, tiny_causal_lm
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
+from viasd_hf import RoutingMask, ViaSDConfig
 from viasd_hf.drafters import precision as drafter_precision
-from viasd_hf import enable_viasd
-from viasd_hf import generation
+from viasd_hf import enable_viasd, generation
 from viasd_hf.cli import main
 from viasd_hf.models.loading import load_pretrained
 from viasd_hf.models.quantization import (
@@ -30,8 +28,7 @@ from viasd_hf.models.quantization import (
     resolve_dtype,
 )
 from viasd_hf.models.quantization import choice as quantization_choice
-from viasd_hf.models.quantization.measure import ruled_out_by_screen
-from viasd_hf.models.quantization.measure import time_in_rounds
+from viasd_hf.models.quantization.measure import ruled_out_by_screen, time_in_rounds
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 

@@ -9,8 +9,7 @@ import torch
 
 from conftest import TokensPerCall, assert_stats_consistent, tiny_causal_lm
 from test_decoding import GREEDY, perturbed_copy, prompt, viasd
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
+from viasd_hf import RoutingMask, ViaSDConfig
 from viasd_hf.control.tier_controller import TierController
 from viasd_hf.control.draft_planner import MeasuredCosts
 

@@ -16,11 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from conftest import VOCAB, TokensPerCall, assert_stats_consistent, near_copy, tiny_causal_lm
-from viasd_hf.models.quantization import choice as quantization_choice
-from viasd_hf.models.quantization import invariance
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
+from viasd_hf.models.quantization import choice as quantization_choice, invariance
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.models import quantization
 from viasd_hf import routed
 from viasd_hf.models.loading import load_pretrained
@@ -38,8 +35,7 @@ from viasd_hf.models.quantization import (
     get_scheme,
     resolve_quantization,
 )
-from viasd_hf.models.quantization.invariance import Invariance
-from viasd_hf.models.quantization.invariance import batch_invariant
+from viasd_hf.models.quantization.invariance import Invariance, batch_invariant
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # LLM.int8() logs a cast on every call
 

@@ -19,9 +19,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from conftest import tiny_causal_lm
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 
 PROMPT = torch.tensor([[3, 17, 5, 3, 17, 5, 9, 3, 17, 40, 41, 3]])  # repeats, so prompt lookup drafts
 

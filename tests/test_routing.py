@@ -7,11 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from conftest import TINY_CONFIGS, tiny_causal_lm, tiny_t5, without_layers
-from viasd_hf import RoutingMask
-from viasd_hf import RoutingMaskError
-from viasd_hf import routed
-from viasd_hf.masks.architectures import decoder_layers
-from viasd_hf.masks.architectures import protected_layers
+from viasd_hf import RoutingMask, RoutingMaskError, routed
+from viasd_hf.masks.architectures import decoder_layers, protected_layers
 
 SKIPS = {"llama": [1, 3], "mistral": [2, 4], "qwen2": [1, 4], "qwen3": [3], "gemma3_text": [1, 3, 4]}
 

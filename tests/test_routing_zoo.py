@@ -9,14 +9,8 @@ import torch
 
 from conftest import zoo, without_layers
 from test_routing import count_submodule_calls
-from viasd_hf import MaskSet
-from viasd_hf import RoutingMask
-from viasd_hf import RoutingMaskError
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
-from viasd_hf import routed
-from viasd_hf.masks.architectures import decoder_layers
-from viasd_hf.masks.architectures import protected_layers
+from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, enable_viasd, routed
+from viasd_hf.masks.architectures import decoder_layers, protected_layers
 from viasd_hf.masks.mask_set import resolve_slim_masks
 
 pytestmark = pytest.mark.integration

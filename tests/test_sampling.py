@@ -20,19 +20,12 @@ import viasd_hf.engine.loop as decoding
 import viasd_hf.engine.policies as policies
 import viasd_hf.engine.sampling as sampling
 from conftest import assert_stats_consistent, tiny_causal_lm, work_done
-from viasd_hf import RoutingMask
-from viasd_hf import ViaSDConfig
-from viasd_hf import routed
-from viasd_hf import viasd_generate
+from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
 from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.loop import ViaSDDecoder
-from viasd_hf.drafters import AssistantDrafter
-from viasd_hf.drafters import HybridDrafter
-from viasd_hf.drafters import PromptLookupDrafter
+from viasd_hf.drafters import AssistantDrafter, HybridDrafter, PromptLookupDrafter
 from viasd_hf.generation import initial_state
-from viasd_hf.engine.sampling import RandomStream
-from viasd_hf.engine.sampling import cascade_target
-from viasd_hf.engine.sampling import rejection_step
+from viasd_hf.engine.sampling import RandomStream, cascade_target, rejection_step
 
 VOCAB = 8
 PROMPT = torch.tensor([[1, 5, 2, 7, 3]])
@@ -80,7 +73,7 @@ def full_next_probs(model, ids) -> tuple[torch.Tensor, torch.Tensor]:
 def slim_next_probs(model, ids, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """The slim verifier's processed and unscaled next-token probabilities as the first block computes them.
 
-    The full model prefills the prompt but its last token, and the slim pass reads that cache (DESIGN §4,
+    The full model prefills the prompt but its last token, and the slim pass reads that cache (docs/design.md, "The KV cache",
     design B), so q′ is not quite the routed model run afresh on the prompt.
     """
     cache = DynamicCache(config=model.config)

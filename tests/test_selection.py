@@ -11,11 +11,9 @@ import torch
 from conftest import tiny_causal_lm
 from test_dimr import FAST, ByteTokenizer, make_windows, sharpened
 from viasd_hf import RoutingMask
-from viasd_hf.dimr.calibration import Calibration
-from viasd_hf.dimr.calibration import TeacherForcedReference
+from viasd_hf.calibration.windows import Calibration, TeacherForcedReference
 from viasd_hf.cli.search import add_search_command
-from viasd_hf.data.corpus import FAMILIES
-from viasd_hf.data.corpus import stratified_corpus
+from viasd_hf.calibration.corpus import FAMILIES, stratified_corpus
 from viasd_hf.dimr import (
     FAMILY_MASKS_FILENAME,
     budget,
@@ -27,8 +25,7 @@ from viasd_hf.dimr import (
     search_budget,
     select_on_validation,
 )
-from viasd_hf.dimr.heldout import heldout_comparison
-from viasd_hf.dimr.heldout import shipped_masks
+from viasd_hf.dimr.heldout import heldout_comparison, shipped_masks
 from viasd_hf.dimr.objectives import MaskScore
 from viasd_hf.dimr.report import heldout_markdown
 

@@ -144,3 +144,68 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
         "pkg.sub.c": {"pkg.a", "pkg.sub"}, "pkg.d": {"pkg.sub.c"},
     }  # fmt: skip
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
+
+
+# -- the layout: a small public face, packages by concern, arrows one way --------------------------------------
+
+MAX_TOP_LEVEL_MODULES = 8
+MAX_MODULES_PER_PACKAGE = 12  # beside __init__.py: more than this and a package is a flat pile again
+# Arrows one way: bench and cli sit on top (only cli imports bench; nothing imports cli), the engine
+# never reaches for search, measurement or the Hub, and the shipped data's loaders stand alone.
+ONLY_IMPORTED_BY = {"bench": {"bench", "cli"}, "cli": {"cli"}}
+NEVER_IMPORTS = {
+    "engine": {"dimr", "calibration", "hub"},
+    "data": {"engine", "control", "drafters", "masks", "hub", "models", "calibration", "dimr", "vocabulary"},
+}
+
+
+def _package_of(module: str) -> str:
+    """``viasd_hf.engine.loop`` -> ``engine``; a top-level module -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else ""
+
+
+def test_the_top_of_the_package_holds_only_the_public_face():
+    modules = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, (
+        f"{len(modules)} modules at the top of viasd_hf/ (at most {MAX_TOP_LEVEL_MODULES}); "
+        f"move the ones that are not the public face into a package by concern: {modules}"
+    )
+
+
+def test_no_package_grows_a_flat_pile():
+    piles = {
+        str(init.parent.relative_to(PACKAGE.parent)): count
+        for init in sorted(PACKAGE.rglob("__init__.py"))
+        if (count := len([p for p in init.parent.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]))
+        > MAX_MODULES_PER_PACKAGE
+    }
+    assert not piles, f"packages over {MAX_MODULES_PER_PACKAGE} modules (split them by concern): {piles}"
+
+
+def _banned_imports(package: str) -> set[str]:
+    banned = set(NEVER_IMPORTS.get(package, ()))
+    banned.update(top for top, importers in ONLY_IMPORTED_BY.items() if package not in importers)
+    return banned - {package}
+
+
+def test_imports_point_one_way():
+    wrong = [
+        f"  {module} -> {target}"
+        for module, imported in sorted(import_graph(PACKAGE).items())
+        for target in sorted(imported)
+        if _package_of(target) in _banned_imports(_package_of(module))
+    ]
+    assert not wrong, "imports against the one-way rules (ONLY_IMPORTED_BY, NEVER_IMPORTS):\n" + "\n".join(wrong)
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages by hand (hub_masks/ is mapped in from the repo root): none may be missing."""
+    import tomllib
+
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    on_disk = {
+        ".".join(init.parent.relative_to(PACKAGE.parent).parts) for init in PACKAGE.rglob("__init__.py")
+    }
+    assert on_disk <= listed, f"packages missing from [tool.setuptools] packages: {sorted(on_disk - listed)}"

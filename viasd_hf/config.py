@@ -225,7 +225,7 @@ class ViaSDConfig(HubMixin):
     @classmethod
     def paper(cls, **overrides: Any) -> ViaSDConfig:
         """The paper's preset: tiered mode (tokens the slim tier accepts are final, so output may differ from
-        ``generate``'s), α1 = 0.5, α2 = 0.3, i.e. τ_acc = 1 − α2, τ_esc = 1 − α1 (DESIGN §1), γ = 5."""
+        ``generate``'s), α1 = 0.5, α2 = 0.3, i.e. τ_acc = 1 − α2, τ_esc = 1 − α1 (docs/design.md, "The method"), γ = 5."""
         alpha1, alpha2 = 0.5, 0.3
         preset = {"mode": "tiered", "tau_accept": 1 - alpha2, "tau_escalate": 1 - alpha1, "num_draft_tokens": 5}
         return cls(**preset | overrides)

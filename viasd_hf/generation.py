@@ -9,7 +9,7 @@ Three entry points, all ending in ``viasd_generate``, the ``custom_generate`` ca
 
 ``generate`` prepares logits processors, stopping criteria, lengths and attention masks, then
 calls the callable — but forwards neither ``assistant_model`` nor ``streamer`` to it, so the
-mixin passes them under the callable's own names (DESIGN §5), and ``viasd_generate`` recovers
+mixin passes them under the callable's own names (docs/design.md, "Plugging into generate"), and ``viasd_generate`` recovers
 them from ``generate``'s frame when a user passed them with ``custom_generate=viasd_generate``.
 
 ``enable_viasd`` binds ``generate`` on the instance, as transformers binds a Hub
@@ -47,24 +47,17 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.engine.loop import ViaSDDecoder
 from viasd_hf.control.draft_planner import StaticCosts
 from viasd_hf.drafters.precision import drafter_for_call
-from viasd_hf.drafters import AssistantDrafter
-from viasd_hf.drafters import Drafter
-from viasd_hf.drafters import HybridDrafter
-from viasd_hf.drafters import PromptLookupDrafter
-from viasd_hf.drafters import SelfDrafter
+from viasd_hf.drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
 from viasd_hf.control.hybrid_choice import CopyOrDraft
 from viasd_hf.masks.repo import default_masks_repo
 from viasd_hf.masks.resolved import cached_mask
 from viasd_hf.masks.mask_set import resolve_slim_masks
 from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.engine.state import DecodingState
-from viasd_hf.engine.state import ModelInputs
-from viasd_hf.engine.state import TargetCache
+from viasd_hf.engine.state import DecodingState, ModelInputs, TargetCache
 from viasd_hf.engine.stats import ViaSDStats
 from viasd_hf.engine.preconditions import check_supported
 from viasd_hf.vocabulary.head import SubsetHead
-from viasd_hf.vocabulary.lookup import resolve_vocabulary
-from viasd_hf.vocabulary.lookup import tier_heads
+from viasd_hf.vocabulary.lookup import resolve_vocabulary, tier_heads
 
 
 @dataclass
@@ -202,7 +195,7 @@ _GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 def _taken_from_generate(drafter: nn.Module | None, streamer: Any) -> tuple[nn.Module | None, Any]:
     """The drafter and streamer, counting the ``assistant_model`` / ``streamer`` that ``generate`` kept back.
 
-    ``GenerationMixin.generate`` hands a ``custom_generate`` callable neither argument (DESIGN §5), so
+    ``GenerationMixin.generate`` hands a ``custom_generate`` callable neither argument (docs/design.md, "Plugging into generate"), so
     ``generate(custom_generate=viasd_generate, assistant_model=a)`` would silently run another
     drafter. They are still ``generate``'s locals: read them from its frame, our direct caller.
     """

@@ -12,8 +12,7 @@ import torch
 import transformers
 
 from viasd_hf import __version__
-from viasd_hf.engine.attention import Bucket
-from viasd_hf.engine.attention import kernel_choices
+from viasd_hf.engine.attention import Bucket, kernel_choices
 
 QUALITY_COLUMNS = (("rougeL", "ROUGE-L"), ("bleu", "BLEU"), ("chrf", "chrF"), ("exact_match", "EM"), ("pass@1", "pass@1"))
 

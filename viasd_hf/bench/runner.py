@@ -1,7 +1,7 @@
 """Run every method on the same prompts in one process and summarise speed, work and quality.
 
 Speed is only comparable within one run (machine load moves absolute tokens/s by ±15 % here,
-DESIGN §9), so the methods alternate prompt by prompt (the order rotates, so none always runs
+docs/design.md, "Benchmarking"), so the methods alternate prompt by prompt (the order rotates, so none always runs
 first), after a warm-up of each. Each prompt's time is the median over ``repeats``; a method's
 speed-up is the median over prompts of its tokens/s divided by greedy's on the same prompt.
 """

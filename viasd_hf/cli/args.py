@@ -24,8 +24,7 @@ from huggingface_hub.utils import validate_repo_id
 from viasd_hf.models import loading as models
 
 from viasd_hf.models import zoo
-from viasd_hf.models.quantization import QuantizationUnavailableError
-from viasd_hf.models.quantization import scheme_names
+from viasd_hf.models.quantization import QuantizationUnavailableError, scheme_names
 
 # The dtypes ``viasd_hf.models.loading.load_pretrained`` accepts by name (tests/test_cli.py keeps them in step).
 DTYPES = ("float32", "bfloat16", "float16", "auto")

@@ -26,25 +26,12 @@ from viasd_hf.bench.methods import (
     MethodTable,
     is_method,
 )
-from viasd_hf.bench.report import environment
-from viasd_hf.bench.report import markdown
-from viasd_hf.bench.report import mask_markdown
-from viasd_hf.bench.report import per_task_markdown
-from viasd_hf.bench.report import plots
-from viasd_hf.bench.report import time_markdown
-from viasd_hf.bench.report import verdict_lines
-from viasd_hf.data.tasks import DATASETS
-from viasd_hf.data.tasks import Example
-from viasd_hf.data.tasks import load_examples
-from viasd_hf.data.tasks import load_jsonl
+from viasd_hf.bench.report import environment, markdown, mask_markdown, per_task_markdown, plots, time_markdown, verdict_lines
+from viasd_hf.data.tasks import DATASETS, Example, load_examples, load_jsonl
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.masks.mask_set import MaskSet
-from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS
-from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.masks.routing_mask import RoutingMaskError
-from viasd_hf.models.quantization import QuantizationChoice
-from viasd_hf.models.quantization import QuantizationUnavailableError
-from viasd_hf.models.quantization import resolve_quantization
+from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
+from viasd_hf.models.quantization import QuantizationChoice, QuantizationUnavailableError, resolve_quantization
 from viasd_hf.cli.args import (
     DTYPES,
     CommandError,
@@ -259,10 +246,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     """Check the arguments, load the pair, run every method on every prompt, then save and print the figures."""
     # Here, not at the top: the scorers the runner imports (rouge_score, sacrebleu) take about a second to load.
     from viasd_hf.bench.fidelity import full_model_agreement
-    from viasd_hf.bench.runner import encode
-    from viasd_hf.bench.runner import machine_bandwidth_gb_s
-    from viasd_hf.bench.runner import run_methods
-    from viasd_hf.bench.runner import summarise
+    from viasd_hf.bench.runner import encode, machine_bandwidth_gb_s, run_methods, summarise
 
     names, examples, mask, self_mask = check_bench_args(args)
     mask_set = _mask_set(args) if "viasd_mask_set" in _bases(names) else None

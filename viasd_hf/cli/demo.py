@@ -8,8 +8,7 @@ from pathlib import Path
 from viasd_hf.bench.demo import DTYPES
 
 from viasd_hf.bench.demo import run_demo
-from viasd_hf.cli.args import UsageError
-from viasd_hf.cli.args import positive_int
+from viasd_hf.cli.args import UsageError, positive_int
 
 
 def add_demo_command(subparsers: argparse._SubParsersAction) -> None:

@@ -12,20 +12,9 @@ from viasd_hf.hub.publish import push_mask
 
 from viasd_hf.hub.publish import read_pushable
 from viasd_hf.hub.files import NO_ANSWER
-from viasd_hf.masks.repo import DEFAULT_MASKS_REPO
-from viasd_hf.masks.repo import MASK_FILENAME
-from viasd_hf.masks.repo import MASK_SET_FILENAME
-from viasd_hf.masks.repo import MASKS_REPO_ENV
-from viasd_hf.masks.repo import SEARCH_LOG_FILENAME
-from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS
-from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.masks.routing_mask import RoutingMaskError
-from viasd_hf.cli.args import CommandError
-from viasd_hf.cli.args import UsageError
-from viasd_hf.cli.args import check_endpoint
-from viasd_hf.cli.args import check_output_dir
-from viasd_hf.cli.args import check_repo_id
-from viasd_hf.cli.args import first_line
+from viasd_hf.masks.repo import DEFAULT_MASKS_REPO, MASK_FILENAME, MASK_SET_FILENAME, MASKS_REPO_ENV, SEARCH_LOG_FILENAME
+from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
+from viasd_hf.cli.args import CommandError, UsageError, check_endpoint, check_output_dir, check_repo_id, first_line
 
 
 def add_hub_commands(subparsers: argparse._SubParsersAction) -> None:

@@ -7,14 +7,8 @@ import argparse
 
 from viasd_hf.models import zoo
 from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.models.profiling import cost_ratios
-from viasd_hf.models.profiling import evenly_spaced_skip
-from viasd_hf.models.profiling import forward_seconds
-from viasd_hf.models.quantization import AUTO
-from viasd_hf.models.quantization import QuantizationChoice
-from viasd_hf.models.quantization import markdown_table
-from viasd_hf.models.quantization import resolve_dtype
-from viasd_hf.models.quantization import resolve_quantization
+from viasd_hf.models.profiling import cost_ratios, evenly_spaced_skip, forward_seconds
+from viasd_hf.models.quantization import AUTO, QuantizationChoice, markdown_table, resolve_dtype, resolve_quantization
 from viasd_hf.cli.args import (
     DTYPES,
     CommandError,

@@ -6,18 +6,13 @@ import argparse
 import shlex
 from pathlib import Path
 
-from viasd_hf.dimr.calibration import build_calibration
+from viasd_hf.calibration.windows import build_calibration
 
-from viasd_hf.dimr.calibration import read_prompts
+from viasd_hf.calibration.windows import read_prompts
 
-from viasd_hf.dimr.calibration import spec_bench_prompts
-from viasd_hf.data.corpus import DEFAULT_DEPTHS
-from viasd_hf.data.corpus import DEFAULT_SEED
-from viasd_hf.data.corpus import DEFAULT_SIZES
-from viasd_hf.data.corpus import corpus_calibration
-from viasd_hf.data.corpus import stratified_corpus
-from viasd_hf.dimr import OBJECTIVES
-from viasd_hf.dimr import search
+from viasd_hf.calibration.windows import spec_bench_prompts
+from viasd_hf.calibration.corpus import DEFAULT_DEPTHS, DEFAULT_SEED, DEFAULT_SIZES, corpus_calibration, stratified_corpus
+from viasd_hf.dimr import OBJECTIVES, search
 from viasd_hf.masks.repo import MODEL_FREE
 from viasd_hf.cli.args import (
     DTYPES,
@@ -77,7 +72,7 @@ def add_search_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
                         "winner is chosen (and, with --corpus stratified, one per task family: family_masks.json)")  # fmt: skip
     parser.add_argument("--corpus", choices=CORPORA, default="spec-bench",
                         help="spec-bench: Spec-Bench questions (or --prompts); stratified: six task families from the "
-                        "shipped evaluation data (viasd_hf/data/corpus.py), whose held-out split the search never sees")  # fmt: skip
+                        "shipped evaluation data (viasd_hf/calibration/corpus.py), whose held-out split the search never sees")  # fmt: skip
     parser.add_argument("--prompts", help="JSONL with a 'prompt' field, or text with one prompt per line (default: Spec-Bench)")
     parser.add_argument("--num-prompts", type=positive_int,
                         help=f"calibration prompts (default 32; per family with --corpus stratified: "

@@ -8,13 +8,7 @@ from pathlib import Path
 from viasd_hf.vocabulary.build import DEFAULT_SIZES
 
 from viasd_hf.vocabulary.build import build_vocabulary
-from viasd_hf.cli.args import DTYPES
-from viasd_hf.cli.args import check_model
-from viasd_hf.cli.args import check_output_dir
-from viasd_hf.cli.args import load_model
-from viasd_hf.cli.args import non_negative_int
-from viasd_hf.cli.args import positive_int
-from viasd_hf.cli.args import positive_ints
+from viasd_hf.cli.args import DTYPES, check_model, check_output_dir, load_model, non_negative_int, positive_int, positive_ints
 
 
 def add_vocab_command(subparsers: argparse._SubParsersAction) -> None:

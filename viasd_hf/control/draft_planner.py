@@ -44,10 +44,7 @@ from torch import nn
 
 from viasd_hf.engine.accept import Draft
 from viasd_hf.masks.architectures import decoder_layers
-from viasd_hf.drafters import AssistantDrafter
-from viasd_hf.drafters import Drafter
-from viasd_hf.drafters import SelfDrafter
-from viasd_hf.drafters import model_drafter_of
+from viasd_hf.drafters import AssistantDrafter, Drafter, SelfDrafter, model_drafter_of
 from viasd_hf.control.speculation_switch import SpeculationSwitch
 from viasd_hf.masks.routing_mask import RoutingMask
 

@@ -38,8 +38,7 @@ from torch import nn
 from transformers import LogitsProcessorList
 
 from viasd_hf.masks.mask_set import MaskSet
-from viasd_hf.engine.policies import BlockResult
-from viasd_hf.engine.policies import Tiers
+from viasd_hf.engine.policies import BlockResult, Tiers
 from viasd_hf.engine.verifier import Verifier
 from viasd_hf.vocabulary.head import SubsetHead
 

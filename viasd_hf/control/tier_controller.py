@@ -43,10 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.control.cost_ledgers import BlockCost
-from viasd_hf.control.cost_ledgers import PricedBlocks
-from viasd_hf.control.cost_ledgers import RepairLedger
-from viasd_hf.control.cost_ledgers import SlimEstimate
+from viasd_hf.control.cost_ledgers import BlockCost, PricedBlocks, RepairLedger, SlimEstimate
 
 
 @dataclass

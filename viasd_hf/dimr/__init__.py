@@ -1,4 +1,4 @@
-"""DIMR: searching which decoder layers the slim verifier q′ skips (VIA-SD, DESIGN §2).
+"""DIMR: searching which decoder layers the slim verifier q′ skips (VIA-SD, docs/design.md, "DIMR").
 
 The search space is every way of skipping exactly k = round(s·L) of the layers that may be skipped
 (``architectures.protected_layers`` are always kept). A candidate is scored by one slim pass over
@@ -24,8 +24,7 @@ viasd_hf.dimr.heldout``). ``viasd search`` is ``viasd_hf.cli.search``.
 from viasd_hf.dimr.budget import BudgetResult
 
 from viasd_hf.dimr.budget import search_budget
-from viasd_hf.dimr.family_masks import FAMILY_MASKS_FILENAME
-from viasd_hf.dimr.family_masks import load_family_masks
+from viasd_hf.dimr.family_masks import FAMILY_MASKS_FILENAME, load_family_masks
 from viasd_hf.dimr.mask_search import search
 from viasd_hf.dimr.objectives import (
     OBJECTIVES,
@@ -41,21 +40,11 @@ from viasd_hf.dimr.objectives import (
     window_scores,
 )
 from viasd_hf.dimr.proposals import Proposals
-from viasd_hf.dimr.report import baseline_table
-from viasd_hf.dimr.report import compare_with_baselines
-from viasd_hf.dimr.search_log import LOG_FILENAME
-from viasd_hf.dimr.search_log import SearchLog
-from viasd_hf.dimr.search_log import to_json_safe
-from viasd_hf.dimr.selection import Finalist
-from viasd_hf.dimr.selection import Selection
-from viasd_hf.dimr.selection import select_on_validation
-from viasd_hf.dimr.space import early_exit_mask
-from viasd_hf.dimr.space import random_masks
-from viasd_hf.dimr.space import skip_count
-from viasd_hf.dimr.space import skippable_layers
-from viasd_hf.dimr.sweep import SPEEDUP_MODEL
-from viasd_hf.dimr.sweep import measure_slim_costs
-from viasd_hf.dimr.sweep import predicted_speedup
+from viasd_hf.dimr.report import baseline_table, compare_with_baselines
+from viasd_hf.dimr.search_log import LOG_FILENAME, SearchLog, to_json_safe
+from viasd_hf.dimr.selection import Finalist, Selection, select_on_validation
+from viasd_hf.dimr.space import early_exit_mask, random_masks, skip_count, skippable_layers
+from viasd_hf.dimr.sweep import SPEEDUP_MODEL, measure_slim_costs, predicted_speedup
 
 __all__ = [
     "FAMILY_MASKS_FILENAME",

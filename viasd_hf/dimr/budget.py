@@ -9,14 +9,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from viasd_hf.masks.architectures import num_decoder_layers
-from viasd_hf.dimr.calibration import TeacherForcedReference
+from viasd_hf.calibration.windows import TeacherForcedReference
 from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.dimr.objectives import MaskScore
-from viasd_hf.dimr.objectives import score_mask
+from viasd_hf.dimr.objectives import MaskScore, score_mask
 from viasd_hf.dimr.proposals import Proposals
 from viasd_hf.dimr.search_log import SearchLog
-from viasd_hf.dimr.space import skip_count
-from viasd_hf.dimr.space import skippable_layers
+from viasd_hf.dimr.space import skip_count, skippable_layers
 
 
 @dataclass(frozen=True)

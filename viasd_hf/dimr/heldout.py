@@ -1,9 +1,9 @@
 """Shipped masks on held-out prompts, per task family, against random masks and early exit at the same budget.
 
 A mask is only judged on prompts that no step of its search saw: the stratified corpus's held-out
-split (``viasd_hf.data.corpus``), less any prompt whose content matches one the mask's search
+split (``viasd_hf.calibration.corpus``), less any prompt whose content matches one the mask's search
 calibrated or selected on (the ids it records). Each family is scored on its own, because a mask
-that wins on average can still lose on the family it is deployed for (issue 14). Every mask of a
+that wins on average can still lose on the family it is deployed for. Every mask of a
 target is scored on the same windows, against the same random masks, so the rows compare like
 with like.
 
@@ -25,32 +25,22 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from viasd_hf.dimr.calibration import Prompt
+from viasd_hf.calibration.windows import Prompt
 
-from viasd_hf.dimr.calibration import TeacherForcedReference
+from viasd_hf.calibration.windows import TeacherForcedReference
 
-from viasd_hf.dimr.calibration import Window
+from viasd_hf.calibration.windows import Window
 
-from viasd_hf.dimr.calibration import build_windows
-from viasd_hf.data.corpus import DEFAULT_DEPTHS
-from viasd_hf.data.corpus import DEFAULT_SEED
-from viasd_hf.data.corpus import HELDOUT_PER_FAMILY
-from viasd_hf.data.corpus import Corpus
-from viasd_hf.data.corpus import content_keys
-from viasd_hf.data.corpus import stratified_corpus
+from viasd_hf.calibration.windows import build_windows
+from viasd_hf.calibration.corpus import DEFAULT_DEPTHS, DEFAULT_SEED, HELDOUT_PER_FAMILY, Corpus, content_keys, stratified_corpus
 from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.models.loading import load_pretrained
 from viasd_hf.models.zoo import ZOO
-from viasd_hf.dimr.family_masks import FAMILY_MASKS_FILENAME
-from viasd_hf.dimr.family_masks import load_family_masks
-from viasd_hf.dimr.objectives import MaskScore
-from viasd_hf.dimr.objectives import pooled
-from viasd_hf.dimr.objectives import score_mask
-from viasd_hf.dimr.report import heldout_markdown
-from viasd_hf.dimr.report import versus_baselines
+from viasd_hf.dimr.family_masks import FAMILY_MASKS_FILENAME, load_family_masks
+from viasd_hf.dimr.objectives import MaskScore, pooled, score_mask
+from viasd_hf.dimr.report import heldout_markdown, versus_baselines
 from viasd_hf.dimr.search_log import to_json_safe
-from viasd_hf.dimr.space import early_exit_mask
-from viasd_hf.dimr.space import random_masks
+from viasd_hf.dimr.space import early_exit_mask, random_masks
 
 MASK_FILE = "routing_mask.json"
 Scores = dict[str, dict[tuple[int, ...], MaskScore]]  # family -> skipped layers -> score

@@ -17,26 +17,15 @@ from torch import nn
 from viasd_hf.masks.architectures import model_config
 
 from viasd_hf.masks.architectures import num_decoder_layers
-from viasd_hf.dimr.calibration import Calibration
-from viasd_hf.dimr.calibration import TeacherForcedReference
-from viasd_hf.dimr.calibration import Window
-from viasd_hf.dimr.calibration import build_calibration
+from viasd_hf.calibration.windows import Calibration, TeacherForcedReference, Window, build_calibration
 from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.dimr.budget import BudgetResult
-from viasd_hf.dimr.family_masks import family_masks_record
-from viasd_hf.dimr.family_masks import write_family_masks
-from viasd_hf.dimr.objectives import OBJECTIVES
-from viasd_hf.dimr.objectives import insertion_criterion
-from viasd_hf.dimr.search_log import LOG_FILENAME
-from viasd_hf.dimr.search_log import SearchLog
-from viasd_hf.dimr.search_log import to_json_safe
-from viasd_hf.dimr.selection import Selection
-from viasd_hf.dimr.selection import select_on_validation
+from viasd_hf.dimr.family_masks import family_masks_record, write_family_masks
+from viasd_hf.dimr.objectives import OBJECTIVES, insertion_criterion
+from viasd_hf.dimr.search_log import LOG_FILENAME, SearchLog, to_json_safe
+from viasd_hf.dimr.selection import Selection, select_on_validation
 from viasd_hf.dimr.space import skip_count
-from viasd_hf.dimr.sweep import SPEEDUP_MODEL
-from viasd_hf.dimr.sweep import budget_rows
-from viasd_hf.dimr.sweep import measure_slim_costs
-from viasd_hf.dimr.sweep import search_budgets
+from viasd_hf.dimr.sweep import SPEEDUP_MODEL, budget_rows, measure_slim_costs, search_budgets
 
 
 def search(

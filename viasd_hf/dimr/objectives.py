@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from viasd_hf.masks.architectures import model_config
-from viasd_hf.dimr.calibration import TeacherForcedReference
-from viasd_hf.dimr.calibration import Window
+from viasd_hf.calibration.windows import TeacherForcedReference, Window
 from viasd_hf.masks.routing_mask import RoutingMask
 
 OBJECTIVES = ("via", "kl", "top1")
@@ -33,7 +32,7 @@ def top1_agreement(log_q: torch.Tensor, log_r: torch.Tensor) -> torch.Tensor:
 
 
 def via_cost(log_q: torch.Tensor, log_r: torch.Tensor, alpha1: float = 0.5, alpha2: float = 0.3) -> torch.Tensor:
-    """R(q‖r) per position, the KL-margin cost of DESIGN §2 (our reconstruction of the paper's).
+    """R(q‖r) per position, the KL-margin cost of docs/design.md, "DIMR" (our reconstruction of the paper's).
 
     ``Σ_v r(v)·ReLU(z1(v)) + Σ_v q(v)·ReLU(z2(v))`` with ``z1 = log(1−α1) + log r − log q`` and
     ``z2 = log α2 + log r − log q``: it charges only where r over-weights a token by more than the

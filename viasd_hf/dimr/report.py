@@ -13,15 +13,12 @@ from typing import Any
 
 from torch import nn
 
-from viasd_hf.dimr.calibration import TeacherForcedReference
+from viasd_hf.calibration.windows import TeacherForcedReference
 
-from viasd_hf.dimr.calibration import Window
+from viasd_hf.calibration.windows import Window
 from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.dimr.objectives import MaskScore
-from viasd_hf.dimr.objectives import as_reference
-from viasd_hf.dimr.objectives import score_mask
-from viasd_hf.dimr.space import early_exit_mask
-from viasd_hf.dimr.space import random_masks
+from viasd_hf.dimr.objectives import MaskScore, as_reference, score_mask
+from viasd_hf.dimr.space import early_exit_mask, random_masks
 
 
 def compare_with_baselines(
@@ -179,7 +176,7 @@ def heldout_markdown(result: Mapping[str, Any]) -> str:
         lines += [f"Weights: the built-in `{result['target']}` ({result['weights']}), dequantised on conversion "
                   "(`viasd_hf/models/zoo.py`); the figures and the masks apply to those weights.", ""]  # fmt: skip
     lines += [
-        f"Held-out prompts: the {settings['corpus']} (`viasd_hf/data/corpus.py`): per family its first "
+        f"Held-out prompts: the {settings['corpus']} (`viasd_hf/calibration/corpus.py`): per family its first "
         f"{settings['heldout_per_family']} held-out prompts, less every prompt whose content matches one that a "
         "mask's search calibrated or selected on (the ids in the masks' metadata). Windows: τ = "
         f"{settings['window']} tokens starting {depths} tokens into the target's own greedy continuation, scored "

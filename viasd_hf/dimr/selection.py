@@ -1,7 +1,7 @@
 """Choosing among the search's best masks on validation windows, pooled and per task family.
 
 A search that ranks hundreds of masks on the same calibration windows ends up fitting those
-windows: its calibration best is, in part, the luckiest mask (issue 14). So each budget's search
+windows: its calibration best is, in part, the luckiest mask. So each budget's search
 keeps its best few masks by calibration objective (the finalists) and the winner is the finalist
 with the best objective on *validation* windows — prompts that the search never optimised on
 and that are disjoint from the held-out prompts the finished mask is judged on
@@ -19,13 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from viasd_hf.dimr.calibration import TeacherForcedReference
+from viasd_hf.calibration.windows import TeacherForcedReference
 
-from viasd_hf.dimr.calibration import Window
+from viasd_hf.calibration.windows import Window
 from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.dimr.objectives import MaskScore
-from viasd_hf.dimr.objectives import pooled
-from viasd_hf.dimr.objectives import window_scores
+from viasd_hf.dimr.objectives import MaskScore, pooled, window_scores
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,10 @@ from typing import Any
 
 from torch import nn
 
-from viasd_hf.dimr.calibration import TeacherForcedReference
+from viasd_hf.calibration.windows import TeacherForcedReference
 from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.models.profiling import forward_seconds
-from viasd_hf.dimr.budget import BudgetResult
-from viasd_hf.dimr.budget import search_budget
+from viasd_hf.dimr.budget import BudgetResult, search_budget
 from viasd_hf.dimr.objectives import score_mask
 
 SPEEDUP_MODEL = (

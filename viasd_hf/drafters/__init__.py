@@ -22,15 +22,12 @@ from torch import nn
 from transformers import LogitsProcessorList
 
 from viasd_hf.engine.accept import Draft
-from viasd_hf.engine.kv_cache import crop_to
-from viasd_hf.engine.kv_cache import new_cache
+from viasd_hf.engine.kv_cache import crop_to, new_cache
 from viasd_hf.control.hybrid_choice import CopyOrDraft
 from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.masks.layer_skipping import skipping
-from viasd_hf.engine.sampling import RandomStream
-from viasd_hf.engine.sampling import sample
-from viasd_hf.engine.state import ModelInputs
-from viasd_hf.engine.state import TargetCache
+from viasd_hf.engine.sampling import RandomStream, sample
+from viasd_hf.engine.state import ModelInputs, TargetCache
 from viasd_hf.engine.decisions import forbidden
 from viasd_hf.vocabulary.head import SubsetHead
 

@@ -20,8 +20,7 @@ import weakref
 from torch import nn
 
 from viasd_hf.config import ViaSDConfig
-from viasd_hf.models.quantization import UNQUANTIZED
-from viasd_hf.models.quantization import resolve_dtype
+from viasd_hf.models.quantization import UNQUANTIZED, resolve_dtype
 from viasd_hf.models.quantization.choice import unquantized_candidates
 from viasd_hf.models.quantization.measure import converted
 

@@ -13,7 +13,7 @@ tiers is only the *target* at each position:
   against the speculative-cascade target π built from it (``sampling.cascade_target``).
 
 The slim tier adds an escalation predicate: a draft it is unsure of ends its walk without a
-verdict, and the full model decides (DESIGN §1).
+verdict, and the full model decides (docs/design.md, "The method").
 """
 
 from __future__ import annotations
@@ -25,11 +25,7 @@ from typing import Protocol
 import torch
 
 from viasd_hf.engine.branching import RunnerUp
-from viasd_hf.engine.sampling import RandomStream
-from viasd_hf.engine.sampling import cascade_target
-from viasd_hf.engine.sampling import one_hot
-from viasd_hf.engine.sampling import rejection_step
-from viasd_hf.engine.sampling import sample
+from viasd_hf.engine.sampling import RandomStream, cascade_target, one_hot, rejection_step, sample
 
 
 @dataclass

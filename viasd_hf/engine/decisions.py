@@ -1,4 +1,4 @@
-"""The slim verifier's decision for each draft token: accept, regenerate, or escalate (DESIGN §1)."""
+"""The slim verifier's decision for each draft token: accept, regenerate, or escalate (docs/design.md, "The method")."""
 
 from __future__ import annotations
 

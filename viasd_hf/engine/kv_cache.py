@@ -1,4 +1,4 @@
-"""KV-cache bookkeeping shared by the slim pass and the full model (DESIGN §4).
+"""KV-cache bookkeeping shared by the slim pass and the full model (docs/design.md, "The KV cache").
 
 The slim pass reads the full model's committed prefix and appends provisional K/V at the
 layers it keeps; those entries are not the full model's and must go again. So every routed

@@ -12,7 +12,7 @@ One block, as in the paper:
 Whether a block drafts at all is the speculation switch's choice (``fallback.py``): where speculation
 does not pay on this machine, blocks decode one token plainly, as ``generate`` does, and
 speculation is probed now and then. Whether the slim tier runs for a block is the controller's choice (``adaptive.py``), unless the
-tokens the slim tier committed without the full model (its backlog, DESIGN §4) would exceed
+tokens the slim tier committed without the full model (its backlog, docs/design.md, "The KV cache") would exceed
 ``max_slim_backlog``: then the full model catches up first. With a ``MaskSet``, which of its masks
 the slim tier runs is the mask chooser's choice (``mask_chooser.py``).
 """
@@ -27,41 +27,22 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from viasd_hf.engine.accept import Draft
-from viasd_hf.control.tier_controller import BlockCost
-from viasd_hf.control.tier_controller import measures_wall_clock
+from viasd_hf.control.tier_controller import BlockCost, measures_wall_clock
 from viasd_hf.engine.attention import fastest_attention
-from viasd_hf.engine.branching import can_branch
-from viasd_hf.engine.branching import runner_up
+from viasd_hf.engine.branching import can_branch, runner_up
 from viasd_hf.config import ViaSDConfig
-from viasd_hf.control.draft_planner import DraftPlanner
-from viasd_hf.control.draft_planner import MeasuredCosts
-from viasd_hf.control.draft_planner import static_costs
-from viasd_hf.drafters import Drafter
-from viasd_hf.drafters import SelfDrafter
-from viasd_hf.drafters import model_drafter_of
-from viasd_hf.control.speculation_switch import SpeculationSwitch
-from viasd_hf.control.speculation_switch import fallback_advice
+from viasd_hf.control.draft_planner import DraftPlanner, MeasuredCosts, static_costs
+from viasd_hf.drafters import Drafter, SelfDrafter, model_drafter_of
+from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
 from viasd_hf.control.mask_chooser import MaskChoice
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.engine.policies import BlockResult
-from viasd_hf.engine.policies import Policy
-from viasd_hf.engine.policies import Tiers
-from viasd_hf.engine.policies import VerificationRules
-from viasd_hf.engine.policies import lossless
-from viasd_hf.engine.policies import shadow_tiered
-from viasd_hf.engine.policies import tiered
-from viasd_hf.engine.policies import two_tier
+from viasd_hf.engine.policies import BlockResult, Policy, Tiers, VerificationRules, lossless, shadow_tiered, tiered, two_tier
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.state import DecodingState
 from viasd_hf.engine.stats import ViaSDStats
-from viasd_hf.control.memory import draft_planner
-from viasd_hf.control.memory import mask_chooser
-from viasd_hf.control.memory import planner_key
-from viasd_hf.control.memory import tier_choice
-from viasd_hf.control.memory import tier_memory
-from viasd_hf.engine.verifier import TierLogits
-from viasd_hf.engine.verifier import Verifier
+from viasd_hf.control.memory import draft_planner, mask_chooser, planner_key, tier_choice, tier_memory
+from viasd_hf.engine.verifier import TierLogits, Verifier
 from viasd_hf.vocabulary.head import SubsetHead
 
 LONGEST_TWO_TIER_DRAFT = 32  # drafts per block when only the full model verifies: a bound, the stop rule decides

@@ -37,11 +37,8 @@ from viasd_hf.engine.accept import accept_prefix
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.state import DecodingState
-from viasd_hf.engine.decisions import Decision
-from viasd_hf.engine.decisions import confidence
-from viasd_hf.engine.decisions import decide
-from viasd_hf.engine.verifier import TierLogits
-from viasd_hf.engine.verifier import Verifier
+from viasd_hf.engine.decisions import Decision, confidence, decide
+from viasd_hf.engine.verifier import TierLogits, Verifier
 
 
 @dataclass

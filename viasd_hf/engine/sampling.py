@@ -1,4 +1,4 @@
-"""Exact speculative sampling, and the speculative-cascade target the slim tier samples from (DESIGN §1).
+"""Exact speculative sampling, and the speculative-cascade target the slim tier samples from (docs/design.md, "The method").
 
 Every distribution here is the *processed* one (temperature, top-k, top-p and other logits
 processors applied), because that is what tokens are actually drawn from; handing a verifier

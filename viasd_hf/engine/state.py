@@ -1,4 +1,4 @@
-"""What a decode has committed, and the one KV cache every tier of the target shares (DESIGN §4).
+"""What a decode has committed, and the one KV cache every tier of the target shares (docs/design.md, "The KV cache").
 
 There is one cache, the full model's. The slim verifier and the self-drafter read its committed
 prefix and their provisional writes are cropped right away, so every self-attention layer always
@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from viasd_hf.engine.branching import keep_leaf
-from viasd_hf.engine.kv_cache import crop_to
-from viasd_hf.engine.kv_cache import layer_lengths
+from viasd_hf.engine.kv_cache import crop_to, layer_lengths
 from viasd_hf.vocabulary.head import SubsetHead
 
 

@@ -23,8 +23,7 @@ from viasd_hf.engine.branching import leaf_inputs
 from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.masks.layer_skipping import skipping
 from viasd_hf.engine.state import DecodingState
-from viasd_hf.engine.decisions import allowed_unscaled
-from viasd_hf.engine.decisions import forbidden
+from viasd_hf.engine.decisions import allowed_unscaled, forbidden
 from viasd_hf.vocabulary.head import SubsetHead
 
 

@@ -48,8 +48,7 @@ self-drafter's own drafting mask).
 ## Use
 
 ```python
-from viasd_hf import RoutingMask
-from viasd_hf import routed
+from viasd_hf import RoutingMask, routed
 
 mask = RoutingMask.from_pretrained(("<target id>", "<drafter id, self or {SELF_DRAFT}>"), repo_id="{repo_id}")
 with routed(model, mask):

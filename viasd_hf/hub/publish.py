@@ -17,8 +17,7 @@ from viasd_hf.masks.repo import MASK_SET_FILENAME
 
 from viasd_hf.masks.repo import SEARCH_LOG_FILENAME
 from viasd_hf.masks.mask_set import MaskSet
-from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.masks.routing_mask import check_pushable
+from viasd_hf.masks.routing_mask import RoutingMask, check_pushable
 
 
 def push_mask(source: RoutingMask | MaskSet | str | Path, repo_id: str, **options: Any) -> CommitInfo:

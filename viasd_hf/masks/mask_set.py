@@ -28,15 +28,9 @@ from huggingface_hub import CommitInfo, CommitOperation, CommitOperationAdd, Com
 from torch import nn
 
 from viasd_hf.masks.architectures import model_config
-from viasd_hf.hub.files import HUB_MISSES
-from viasd_hf.hub.files import Lookup
-from viasd_hf.hub.files import NotFoundError
-from viasd_hf.hub.files import commit
-from viasd_hf.hub.files import fetch
-from viasd_hf.hub.files import in_folder
+from viasd_hf.hub.files import HUB_MISSES, Lookup, NotFoundError, commit, fetch, in_folder
 from viasd_hf.masks.resolved import cached_mask
-from viasd_hf.hub.mask_card import CARD_FILENAME
-from viasd_hf.hub.mask_card import render_model_card
+from viasd_hf.hub.mask_card import CARD_FILENAME, render_model_card
 from viasd_hf.masks.repo import (
     MASK_FILENAME,
     MASK_SET_FILENAME,

@@ -25,15 +25,10 @@ from viasd_hf.masks.architectures import model_config
 from viasd_hf.masks.architectures import num_decoder_layers
 
 from viasd_hf.masks.architectures import protected_layers
-from viasd_hf.validation import is_int
-from viasd_hf.validation import is_real
-from viasd_hf.hub.files import Lookup
-from viasd_hf.hub.files import NotFoundError
-from viasd_hf.hub.files import commit
+from viasd_hf.validation import is_int, is_real
+from viasd_hf.hub.files import Lookup, NotFoundError, commit
 from viasd_hf.hub.mixin import HubMixin
-from viasd_hf.hub.mask_card import CARD_FILENAME
-from viasd_hf.hub.mask_card import card_row
-from viasd_hf.hub.mask_card import render_model_card
+from viasd_hf.hub.mask_card import CARD_FILENAME, card_row, render_model_card
 from viasd_hf.masks.repo import (
     HOW_TO_GET_A_MASK,
     MASK_FILENAME,

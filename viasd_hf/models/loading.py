@@ -12,8 +12,7 @@ from viasd_hf.models.quantization import QuantizationError
 from viasd_hf.models.quantization import resolve_dtype
 
 from viasd_hf.models.quantization import resolve_quantization
-from viasd_hf.models.zoo import ZOO
-from viasd_hf.models.zoo import resolve_zoo_model
+from viasd_hf.models.zoo import ZOO, resolve_zoo_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,7 +1,7 @@
 """Measured cost of full, slim and drafter forward passes on this machine.
 
 VIA-SD pays off only if a slim pass is cheap relative to a full one and the escalation rate
-stays below that saving (DESIGN §1). Both the decoder's adaptive controller and DIMR's budget
+stays below that saving (docs/design.md, "The method"). Both the decoder's adaptive controller and DIMR's budget
 sweep need the *measured* ratio: LM heads, attention over the cache and memory bandwidth make
 it differ from the skipped fraction.
 """
@@ -19,8 +19,7 @@ from torch import nn
 from viasd_hf.masks.architectures import num_decoder_layers
 
 from viasd_hf.masks.architectures import protected_layers
-from viasd_hf.engine.kv_cache import crop_to
-from viasd_hf.engine.kv_cache import new_cache
+from viasd_hf.engine.kv_cache import crop_to, new_cache
 from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.masks.layer_skipping import routed
 

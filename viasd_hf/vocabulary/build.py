@@ -1,7 +1,7 @@
 """Building a draft vocabulary: count what the target writes, measure coverage and head cost, choose V.
 
 1. **Count.** The target's own greedy continuations of calibration prompts from the stratified
-   corpus (``viasd_hf.data.corpus``: chat, translation, summarisation, QA, maths and code), counted per
+   corpus (``viasd_hf.calibration.corpus``: chat, translation, summarisation, QA, maths and code), counted per
    token. A few thousand tokens cannot rank 150k ids, so ties are broken by how often the token
    occurs in the corpus's prompts (continuations copy from their prompts: names, code, numbers),
    then by token id (byte-pair merges are numbered roughly by frequency in the tokenizer's own
@@ -34,15 +34,11 @@ from viasd_hf.masks.architectures import base_model
 from viasd_hf.masks.architectures import config_fingerprint
 
 from viasd_hf.masks.architectures import model_config
-from viasd_hf.engine.kv_cache import crop_to
-from viasd_hf.engine.kv_cache import new_cache
-from viasd_hf.dimr.calibration import continuations
-from viasd_hf.dimr.calibration import stop_token_ids
-from viasd_hf.data.corpus import pool
-from viasd_hf.data.corpus import stratified_corpus
+from viasd_hf.engine.kv_cache import crop_to, new_cache
+from viasd_hf.calibration.windows import continuations, stop_token_ids
+from viasd_hf.calibration.corpus import pool, stratified_corpus
 from viasd_hf.vocabulary.head import SubsetHead
-from viasd_hf.vocabulary.store import DraftVocabulary
-from viasd_hf.vocabulary.store import lm_head_rows
+from viasd_hf.vocabulary.store import DraftVocabulary, lm_head_rows
 
 DEFAULT_SIZES = (8192, 16384, 24576, 32768, 49152, 65536)
 
@@ -145,7 +141,7 @@ def build_vocabulary(
     """Count, measure and choose as the module docstring says; the vocabulary of ``target`` for ``drafter_id``.
 
     ``cost_model`` is the model whose head cost decides V (the drafter model; the target when ``None``).
-    Continuations are cached on disk (``viasd_hf.dimr.calibration``), so a rebuild with other sizes is quick.
+    Continuations are cached on disk (``viasd_hf.calibration.windows``), so a rebuild with other sizes is quick.
     """
     rows = lm_head_rows(target)
     sizes = sorted({min(int(size), rows) for size in sizes})

@@ -18,8 +18,7 @@ from viasd_hf.masks.architectures import model_config
 from viasd_hf.masks.repo import default_masks_repo
 from viasd_hf.models.per_model_cache import PerModelCache
 from viasd_hf.vocabulary.head import SubsetHead
-from viasd_hf.vocabulary.store import DraftVocabulary
-from viasd_hf.vocabulary.store import DraftVocabularyError
+from viasd_hf.vocabulary.store import DraftVocabulary, DraftVocabularyError
 
 AUTO = "auto"
 

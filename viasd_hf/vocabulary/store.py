@@ -25,13 +25,10 @@ from viasd_hf.masks.architectures import base_model
 from viasd_hf.masks.architectures import config_fingerprint
 
 from viasd_hf.masks.architectures import model_config
-from viasd_hf.validation import is_int
-from viasd_hf.validation import is_real
-from viasd_hf.hub.files import Lookup
-from viasd_hf.hub.files import NotFoundError
+from viasd_hf.validation import is_int, is_real
+from viasd_hf.hub.files import Lookup, NotFoundError
 from viasd_hf.hub.mixin import HubMixin
-from viasd_hf.masks.repo import find_pair_file
-from viasd_hf.masks.repo import pair_folder
+from viasd_hf.masks.repo import find_pair_file, pair_folder
 from viasd_hf.version import __version__
 
 VOCABULARY_FILENAME = "draft_vocabulary.json"

@@ -17,8 +17,7 @@ import torch
 from viasd_hf.engine.attention import fastest_attention
 
 from viasd_hf.engine.attention import forget_kernel_choices
-from viasd_hf.engine.kv_cache import crop_to
-from viasd_hf.engine.kv_cache import new_cache
+from viasd_hf.engine.kv_cache import crop_to, new_cache
 from viasd_hf.models.loading import load_pretrained
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"

@@ -1,9 +1,7 @@
 """Lossless VIA-SD on one long summarisation prompt, the whole prompt against a 256-token drafter window:
     python bench/studies/drafter_context/one_prompt.py"""
 import time, torch
-from viasd_hf import ViaSDConfig
-from viasd_hf import enable_viasd
-from viasd_hf import RoutingMask
+from viasd_hf import ViaSDConfig, enable_viasd, RoutingMask
 from viasd_hf.models.loading import load_pretrained
 from viasd_hf.data.tasks import load_examples
 from viasd_hf.bench.runner import encode

@@ -20,10 +20,7 @@ from viasd_hf.models.quantization.choice import (
     resolve_quantization,
 )
 from viasd_hf.models.quantization.drafting import DraftingAcceptance
-from viasd_hf.models.quantization.measure import Measurement
-from viasd_hf.models.quantization.measure import MeasureOptions
-from viasd_hf.models.quantization.measure import measure
-from viasd_hf.models.quantization.measure import measure_in_memory
+from viasd_hf.models.quantization.measure import Measurement, MeasureOptions, measure, measure_in_memory
 from viasd_hf.models.quantization.schemes import (
     ALIASES,
     AUTO,

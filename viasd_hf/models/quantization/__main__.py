@@ -16,11 +16,9 @@ from viasd_hf.models.quantization.choice import (
     markdown_table,
     unquantized_candidates,
 )
-from viasd_hf.models.machine import cpu_identity
-from viasd_hf.models.machine import library_version
+from viasd_hf.models.machine import cpu_identity, library_version
 from viasd_hf.models.quantization.measure import MeasureOptions
-from viasd_hf.models.quantization.schemes import FORMS
-from viasd_hf.models.quantization.schemes import SCHEMES
+from viasd_hf.models.quantization.schemes import FORMS, SCHEMES
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -25,29 +25,11 @@ from torch import nn
 from viasd_hf.masks.architectures import config_fingerprint
 
 from viasd_hf.masks.architectures import model_config
-from viasd_hf.models.zoo import ZOO
-from viasd_hf.models.zoo import zoo_revision
-from viasd_hf.models.quantization.drafting import DraftingAcceptance
-from viasd_hf.models.quantization.drafting import drafting_throughput
-from viasd_hf.models.machine import LIBRARIES
-from viasd_hf.models.machine import cpu_identity
-from viasd_hf.models.machine import library_version
-from viasd_hf.models.machine import native_fp16
-from viasd_hf.models.machine import read_record
-from viasd_hf.models.machine import record_path
-from viasd_hf.models.machine import write_record
-from viasd_hf.models.quantization.measure import Measurement
-from viasd_hf.models.quantization.measure import MeasureOptions
-from viasd_hf.models.quantization.measure import measure
-from viasd_hf.models.quantization.measure import measure_in_memory
-from viasd_hf.models.quantization.schemes import ALIASES
-from viasd_hf.models.quantization.schemes import AUTO
-from viasd_hf.models.quantization.schemes import BASELINE
-from viasd_hf.models.quantization.schemes import FORMS
-from viasd_hf.models.quantization.schemes import SCHEMES
-from viasd_hf.models.quantization.schemes import UNQUANTIZED
-from viasd_hf.models.quantization.schemes import Scheme
-from viasd_hf.models.quantization.schemes import get_scheme
+from viasd_hf.models.zoo import ZOO, zoo_revision
+from viasd_hf.models.quantization.drafting import DraftingAcceptance, drafting_throughput
+from viasd_hf.models.machine import LIBRARIES, cpu_identity, library_version, native_fp16, read_record, record_path, write_record
+from viasd_hf.models.quantization.measure import Measurement, MeasureOptions, measure, measure_in_memory
+from viasd_hf.models.quantization.schemes import ALIASES, AUTO, BASELINE, FORMS, SCHEMES, UNQUANTIZED, Scheme, get_scheme
 
 CACHE_FORMAT = 3
 

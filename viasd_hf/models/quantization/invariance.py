@@ -27,10 +27,8 @@ from viasd_hf.models.machine import read_record
 from viasd_hf.models.machine import record_path
 
 from viasd_hf.models.machine import write_record
-from viasd_hf.models.quantization.probe import probe_checkpoint
-from viasd_hf.models.quantization.probe import probe_mlp
-from viasd_hf.models.quantization.schemes import get_scheme
-from viasd_hf.models.quantization.schemes import load_in
+from viasd_hf.models.quantization.probe import probe_checkpoint, probe_mlp
+from viasd_hf.models.quantization.schemes import get_scheme, load_in
 
 FORMAT = 1
 # multiples of 128, like real models (torchao's int4 groups, whole bitsandbytes blocks); small enough to load in a second

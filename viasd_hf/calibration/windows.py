@@ -1,6 +1,6 @@
 """Calibration windows for DIMR: prompts, the target's own greedy continuation, and its log-probs.
 
-DIMR scores many candidate masks against the full model q (DESIGN §2). Each candidate costs one
+DIMR scores many candidate masks against the full model q (docs/design.md, "DIMR"). Each candidate costs one
 slim pass, so everything that does not depend on the mask is done once: the target's greedy
 continuation of every prompt (slow — cached on disk, keyed by the target and the prompts, so a
 search can be re-run), and, per search process, the full model's KV cache of each window's prefix
@@ -33,8 +33,7 @@ from viasd_hf.masks.architectures import config_fingerprint
 
 from viasd_hf.masks.architectures import model_config
 from viasd_hf.data.tasks import data_dir
-from viasd_hf.engine.kv_cache import crop_to
-from viasd_hf.engine.kv_cache import new_cache
+from viasd_hf.engine.kv_cache import crop_to, new_cache
 from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.models.zoo import viasd_home
 from viasd_hf.masks.layer_skipping import routed
@@ -116,7 +115,7 @@ def spec_bench_path() -> Path:
 
 
 def spec_bench_prompts(path: str | Path | None = None) -> list[Prompt]:
-    """First turns of the Spec-Bench questions, with their categories (DESIGN §8 task mix)."""
+    """First turns of the Spec-Bench questions, with their categories (the task mix in docs/design.md, "Benchmarking")."""
     path = Path(path) if path else spec_bench_path()
     if not path.is_file():
         raise FileNotFoundError(

@@ -46,9 +46,7 @@ from viasd_hf.data.tasks import GSM8K_INSTRUCTION
 from viasd_hf.data.tasks import HUMANEVAL_INSTRUCTION
 
 from viasd_hf.data.tasks import data_dir
-from viasd_hf.dimr.calibration import Calibration
-from viasd_hf.dimr.calibration import Prompt
-from viasd_hf.dimr.calibration import build_windows
+from viasd_hf.calibration.windows import Calibration, Prompt, build_windows
 
 SPLITS = ("heldout", "validation", "calibration")
 HELDOUT_PER_FAMILY = 12
