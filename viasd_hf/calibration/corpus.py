@@ -1,6 +1,6 @@
 """A stratified calibration corpus: six task families from the shipped evaluation data, split three ways.
 
-A mask searched on one narrow prompt set can fit that set and nothing else (issue 14), so DIMR
+A mask searched on one narrow prompt set can fit that set and nothing else, so DIMR
 calibrates on a mix of task families, and a mask is judged on prompts that no step of its search
 saw. Every family draws from several sources in ``viasd_hf/data`` (strata); each stratum is
 shuffled with its own seed (``f"{seed}/{stratum}"``, so adding a source leaves the others' order
