@@ -28,7 +28,7 @@ from viasd_hf.calibration.windows import spec_bench_path
 def test_default_data_dir_is_the_packaged_folder(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VIASD_DATA", raising=False)
     monkeypatch.delenv("VIASD_SPEC_BENCH", raising=False)
-    assert data_dir() == PACKAGED_DATA == Path(viasd_hf.__file__).resolve().parent / "bench" / "data"
+    assert data_dir() == PACKAGED_DATA == Path(viasd_hf.__file__).resolve().parent / "data"
     assert (data_dir() / "README.md").is_file()
     # DIMR's calibration prompts come from the same data.
     assert spec_bench_path() == PACKAGED_DATA / "spec_bench" / "question.jsonl"
@@ -48,8 +48,9 @@ def _records(path: Path) -> int:
 def test_packaged_readme_lists_every_file_with_its_sha256_and_records() -> None:
     readme = (PACKAGED_DATA / "README.md").read_text(encoding="utf-8")
     listed = {m["path"]: m["sha256"] for m in _README_ROW.finditer(readme)}
-    on_disk = {p.relative_to(PACKAGED_DATA).as_posix() for p in PACKAGED_DATA.rglob("*") if p.is_file()}
-    assert set(listed) == on_disk - {"README.md"}
+    datasets = (p.relative_to(PACKAGED_DATA) for p in PACKAGED_DATA.rglob("*") if p.is_file())
+    on_disk = {path.as_posix() for path in datasets if len(path.parts) > 1 and "__pycache__" not in path.parts}
+    assert set(listed) == on_disk  # one folder per dataset; the loaders sit beside them
     for path, sha256 in listed.items():
         assert hashlib.sha256((PACKAGED_DATA / path).read_bytes()).hexdigest() == sha256, path
     records = {m["path"]: int(m["records"]) for m in _README_RECORDS.finditer(readme)}

@@ -13,7 +13,7 @@ import torch
 
 from conftest import VOCAB, tiny_causal_lm
 from viasd_hf import RoutingMask
-from viasd_hf.dimr import calibration as calibration_module
+from viasd_hf.calibration import windows as calibration_module
 from viasd_hf import dimr
 from viasd_hf.masks.architectures import protected_layers
 from viasd_hf.calibration.windows import Prompt, TeacherForcedReference, Window, build_calibration, greedy_continuation, split_prompts

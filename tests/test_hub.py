@@ -25,8 +25,8 @@ from viasd_hf.masks import repo as mask_repo
 from viasd_hf import routed, viasd_generate
 from viasd_hf.cli import main
 from viasd_hf.cli.hub import add_hub_commands
-from viasd_hf.generation import resolve_mask
-from viasd_hf.masks.resolved import clear_mask_cache
+from viasd_hf.masks.resolver import resolve_mask
+from viasd_hf.masks.resolver import clear_mask_cache
 
 REPO = "viasd-test/routing-masks"
 LLAMA = ("tiny-random-llama", "self")

@@ -16,9 +16,9 @@ from viasd_hf.hub import files as hub_files
 from viasd_hf.masks import repo as mask_repo
 from viasd_hf import viasd_generate
 from viasd_hf.cli import main
-from viasd_hf.masks.resolved import clear_mask_cache
+from viasd_hf.masks.resolver import clear_mask_cache
 from viasd_hf.control.mask_chooser import MaskChoice, MaskChooser
-from viasd_hf.masks.mask_set import resolve_slim_masks
+from viasd_hf.masks.resolver import resolve_slim_masks
 from viasd_hf.engine.policies import BlockResult, SlimCheck, Tiers
 from viasd_hf.control.memory import mask_chooser, tier_memory
 from viasd_hf.engine.verifier import TierLogits

@@ -11,7 +11,7 @@ from conftest import zoo, without_layers
 from test_routing import count_submodule_calls
 from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, enable_viasd, routed
 from viasd_hf.masks.architectures import decoder_layers, protected_layers
-from viasd_hf.masks.mask_set import resolve_slim_masks
+from viasd_hf.masks.resolver import resolve_slim_masks
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -49,10 +48,7 @@ from viasd_hf.control.draft_planner import StaticCosts
 from viasd_hf.drafters.precision import drafter_for_call
 from viasd_hf.drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
 from viasd_hf.control.hybrid_choice import CopyOrDraft
-from viasd_hf.masks.repo import default_masks_repo
-from viasd_hf.masks.resolved import cached_mask
-from viasd_hf.masks.mask_set import resolve_slim_masks
-from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.masks.resolver import resolve_mask, resolve_slim_masks
 from viasd_hf.engine.state import DecodingState, ModelInputs, TargetCache
 from viasd_hf.engine.stats import ViaSDStats
 from viasd_hf.engine.preconditions import check_supported
@@ -72,25 +68,6 @@ class ViaSDEncoderDecoderOutput(GenerateEncoderDecoderOutput):
     """``generate``'s usual encoder-decoder output plus what each VIA-SD tier did."""
 
     viasd_stats: ViaSDStats | None = None
-
-
-def resolve_mask(spec: RoutingMask | str | None, model: nn.Module, drafter_id: str) -> RoutingMask:
-    """A validated mask from a ``RoutingMask``, a local path or Hub id, or else the mask known for this pair.
-
-    Paths, Hub ids and the pair's default mask are looked up once per (model, drafter, spec) and
-    then reused (``viasd_hf.masks.resolved``): ``generate`` must not ask the Hub on every call.
-    """
-    if isinstance(spec, RoutingMask):
-        mask = spec
-    elif spec is None:
-        pair = (str(model_config(model)._name_or_path), drafter_id)
-        mask = cached_mask(model, ("pair", *pair, default_masks_repo()), lambda: RoutingMask.from_pretrained(pair))
-    elif isinstance(spec, (str, os.PathLike)):
-        mask = cached_mask(model, ("spec", os.fspath(spec)), lambda: RoutingMask.from_pretrained(spec))
-    else:
-        mask = RoutingMask.from_pretrained(spec)
-    mask.validate_for(model)
-    return mask
 
 
 def _drafter_id(assistant_model: nn.Module | None) -> str:

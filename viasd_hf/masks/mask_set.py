@@ -27,15 +27,12 @@ from typing import Any
 from huggingface_hub import CommitInfo, CommitOperation, CommitOperationAdd, CommitOperationDelete, HfApi
 from torch import nn
 
-from viasd_hf.masks.architectures import model_config
 from viasd_hf.hub.files import HUB_MISSES, Lookup, NotFoundError, commit, fetch, in_folder
-from viasd_hf.masks.resolved import cached_mask
 from viasd_hf.hub.mask_card import CARD_FILENAME, render_model_card
 from viasd_hf.masks.repo import (
     MASK_FILENAME,
     MASK_SET_FILENAME,
     MEMBERS_FOLDER,
-    default_masks_repo,
     find_pair_file,
     mask_set_files,
     pair_folder,
@@ -287,29 +284,3 @@ def _read_index(index: Path, member_file: Callable[[str], Path]) -> MaskSet:
         except MALFORMED_MASK_ERRORS as error:
             raise RoutingMaskError(f"{index}: member {name!r} ({file}): {error}") from error
     return MaskSet(masks, data.get("default", ""), data.get("schema_version", SCHEMA_VERSION))
-
-
-def resolve_slim_masks(spec: RoutingMask | MaskSet | str | None, model: nn.Module, drafter_id: str) -> RoutingMask | MaskSet:
-    """The slim tier's mask, or its mask set when there is more than one mask to choose from, validated for ``model``.
-
-    ``None`` reads the pair's set (or single mask); a path or Hub id likewise. Lookups are done
-    once per (model, drafter, spec) (``viasd_hf.masks.resolved``, under the keys
-    ``generation.resolve_mask`` uses, so a pair without a set is cached as the mask it was).
-    A set of one is its mask.
-    """
-    if isinstance(spec, RoutingMask):
-        spec.validate_for(model)
-        return spec
-    if isinstance(spec, MaskSet):
-        found = _unwrapped(spec)
-    elif spec is None:
-        pair = (str(model_config(model)._name_or_path), drafter_id)
-        found = cached_mask(model, ("pair", *pair, default_masks_repo()), lambda: _unwrapped(MaskSet.from_pretrained(pair)))
-    else:
-        found = cached_mask(model, ("spec", os.fspath(spec)), lambda: _unwrapped(MaskSet.from_pretrained(spec)))
-    found.validate_for(model)
-    return found
-
-
-def _unwrapped(masks: MaskSet) -> RoutingMask | MaskSet:
-    return masks.default_mask if len(masks.masks) == 1 else masks
