@@ -503,3 +503,20 @@ def test_push_to_an_unreachable_hub_is_one_line(tmp_path, llama, monkeypatch):
     code, err = run_cli(["push", str(tmp_path / "mask"), "--repo-id", REPO, "--endpoint", "http://127.0.0.1:9"])
     assert code == 1 and err.startswith("viasd push: error: the Hub at http://127.0.0.1:9 did not answer: ")
     assert len(err.splitlines()) == 1
+
+
+def test_a_model_without_a_name_is_not_looked_up_on_the_hub(fake_hub, monkeypatch):
+    """A model built from a config has no name: its pair's mask cannot be looked up (a clear error, the Hub
+    not asked), and the default ``vocabulary="auto"`` decodes over the whole vocabulary instead of failing."""
+    use_as_default_endpoint(monkeypatch, fake_hub.url)
+    model = tiny_causal_lm("llama")
+    model.config._name_or_path = ""
+    with pytest.raises(RoutingMaskError, match="has no name"):
+        resolve_mask(None, model, "self")
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    config = ViaSDConfig(routing_mask=llama_mask(model), plain_fallback=False)
+    out = model.generate(ids, custom_generate=viasd_generate, viasd_config=config, prompt_lookup_num_tokens=2,
+                         max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    assert out.viasd_stats.drafted_tokens > 0
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    assert not fake_hub.requests

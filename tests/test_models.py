@@ -296,3 +296,14 @@ def test_smollm2_generates_and_reuses_cache(zoo_home: Path, monkeypatch: pytest.
     again, _ = load_pretrained(name)
     assert again.config._name_or_path == name
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)
+
+
+def test_load_pretrained_is_importable_from_viasd_hf_models():
+    from viasd_hf.models import load_pretrained
+    from viasd_hf.models.loading import load_pretrained as defined
+
+    assert load_pretrained is defined
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        import viasd_hf.models
+
+        viasd_hf.models.nothing  # noqa: B018

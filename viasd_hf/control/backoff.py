@@ -1,6 +1,6 @@
 """When an online choice tries the option it is not using: a probe schedule that backs off while probes agree.
 
-Every measured choice of the decoder (plain decoding or speculation, ``fallback``) keeps using
+Every measured choice of the decoder (plain decoding or speculation, ``speculation_switch``) keeps using
 what measured best and now and then probes the alternative, so that a change of text or load is
 noticed. A probe costs time when the choice was right, so the interval between probes doubles
 each time a probe confirms the choice (up to ``longest``) and resets on a switch: the price of

@@ -2,7 +2,7 @@
 
 ``PricedBlocks`` (tiered mode) compares the two regimes' blocks priced at the same, latest pass
 costs and bounds the slim tier's best case by its pass cost; ``RepairLedger`` (lossless mode)
-prices the slim pass against the tokens its repairs add. ``adaptive.TierController`` acts on
+prices the slim pass against the tokens its repairs add. ``tier_controller.TierController`` acts on
 either through ``SlimEstimate``.
 """
 

@@ -24,14 +24,14 @@ on recorded Spec-Bench, HumanEval and XSum traces, the last confidence drafts lo
 a confident one too, and a draft the drafter is unsure of ends the block (HF's confidence stop,
 with the threshold derived instead of fixed at 0.4). The first token is always drafted, so the
 calibration keeps learning; whether a block drafts at all is measured, not planned
-(``fallback.SpeculationSwitch``: where costs are measured, plain decoding whenever it is faster).
+(``speculation_switch.SpeculationSwitch``: where costs are measured, plain decoding whenever it is faster).
 
 Where the costs come from (``PassCosts``): measured on the fly (``MeasuredCosts``: running
 estimates from every block's timings, starting from the static guess), or, where timings must not
 change the output (``ViaSDConfig.tier_switching="fixed"``), from the weights each pass reads
 (``StaticCosts``): decoding one token is memory-bound, so a pass costs about the bytes it reads.
 Where costs are measured, the planner (costs and calibration) is remembered across calls on the
-model (``tier_memory.draft_planner``), so a short call does not start uncalibrated.
+model (``memory.draft_planner``), so a short call does not start uncalibrated.
 """
 
 from __future__ import annotations

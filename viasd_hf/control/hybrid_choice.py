@@ -10,7 +10,7 @@ of block is judged by what it committed per unit of cost:
   verifying passes, from the bytes each pass reads: ``draft_planner.StaticCosts``).
 
 Tokens per unit of cost is a ratio of faded sums over the blocks of each kind, as throughput
-must be (``slim_estimates.Regime``). It is counted in committed tokens and weight bytes, never
+must be (``cost_ledgers.Regime``). It is counted in committed tokens and weight bytes, never
 in seconds, so the choice, like the output, is the same on every run. Neither kind is trusted
 before it is seen: both start from the same prior, a model-drafted block's, and copying wins the
 tie, being free to try; so the first copy decides, and a prompt whose matches are wrong (a

@@ -19,7 +19,7 @@ the alternatives taken in turn; while every alternative is clearly worse, the in
 (up to ``max_probe_every``). The schedule counts blocks and the tests count tokens, with no
 timing anywhere, so a seeded call is reproducible.
 
-What is remembered follows ``ViaSDConfig.tier_switching`` (``tier_memory.mask_chooser``): where the
+What is remembered follows ``ViaSDConfig.tier_switching`` (``memory.mask_chooser``): where the
 slim tier's on/off choice is measured and remembered across calls (``"measured"``), so is the
 evidence and the mask chosen, in ``model.viasd_tier_memory``: one short call rarely has enough
 blocks verified by the full model to tell masks apart. Elsewhere (``"fixed"``, the default for

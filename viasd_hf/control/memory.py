@@ -46,7 +46,7 @@ class TierMemory:
         self._lock = threading.Lock()  # concurrent generate calls on one model share it
 
     def controller(self, key: Hashable, mask: RoutingMask, lossless: bool) -> TierController:
-        """The controller measuring under ``key``; a new one (``adaptive.new_controller``) the first time."""
+        """The controller measuring under ``key``; a new one (``tier_controller.new_controller``) the first time."""
         with self._lock:
             if key not in self._controllers:
                 self._controllers[key] = new_controller(mask, lossless)

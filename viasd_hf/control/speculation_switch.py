@@ -11,11 +11,11 @@ faster (``SpeculationSwitch``):
   block by block, drafting and the loop's own work included;
 - **plain**: blocks without a draft, one full pass and one token each, as ``generate`` decodes.
 
-The regime not in use is probed now and then (``probing.ProbeSchedule``), so a change of text is
+The regime not in use is probed now and then (``backoff.ProbeSchedule``), so a change of text is
 noticed; while probes confirm the choice they grow rare. Plain blocks give the full model's own
 token, so in lossless greedy decoding the output is the same whichever regime runs; elsewhere the
 regime changes which tokens are drafted and drawn, so the switch runs exactly where measured
-timings may steer a call (``adaptive.measures_wall_clock``), remembered with the draft planner.
+timings may steer a call (``tier_controller.measures_wall_clock``), remembered with the draft planner.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ slower than plain two-tier decoding" needs when the slim tier does not pay.
 
 Measurements persist across ``generate`` calls on the same model, mask and drafter (as HF keeps
 its assistant's confidence threshold), so short generations do not pay the warm-up every time;
-they live where the user can see and reset them (``tier_memory.TierMemory``).
+they live where the user can see and reset them (``memory.TierMemory``).
 The starting choice is the mask's own offline prediction (DIMR's insertion criterion) in tiered
 mode, and off in lossless mode. A switch needs evidence beyond the measurements' noise, and a
 switch to the slim tier a clear margin as well: two-tier decoding is the safe choice.

@@ -3,7 +3,7 @@
 The search space is every way of skipping exactly k = round(s·L) of the layers that may be skipped
 (``architectures.protected_layers`` are always kept). A candidate is scored by one slim pass over
 teacher-forced calibration windows against the full model's stored log q
-(``calibration.TeacherForcedReference``). Candidates come, as in the paper, from Bayesian
+(``calibration.windows.TeacherForcedReference``). Candidates come, as in the paper, from Bayesian
 optimisation (scikit-optimize's GP optimiser) at iterations ``o % bo_every == 0`` and from random
 search otherwise; no mask is evaluated twice; the search stops on iterations, patience or time.
 

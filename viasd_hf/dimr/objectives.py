@@ -1,7 +1,7 @@
 """How far a slim verifier q′ is from the full model q: the divergences DIMR minimises, and Δ.
 
 Every score is a mean per position over teacher-forced calibration windows, computed from one
-slim pass against the full model's stored log q (``calibration.TeacherForcedReference``).
+slim pass against the full model's stored log q (``calibration.windows.TeacherForcedReference``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ before. The steering function replaces ``ALL_ATTENTION_FUNCTIONS["sdpa"]`` only 
 inside the context (reference counted), so outside them transformers is as it was.
 
 Both kernels compute the same attention; they round differently (in bf16 visibly), so the choice
-is left to measurement only where timings may steer the output (``adaptive.measures_wall_clock``).
+is left to measurement only where timings may steer the output (``tier_controller.measures_wall_clock``).
 """
 
 from __future__ import annotations

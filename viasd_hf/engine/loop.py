@@ -9,9 +9,9 @@ One block, as in the paper:
 3. the tokens are committed one at a time, honouring stopping criteria and streamers as
    ``generate`` does, and the block is recorded (``ViaSDStats.record_block``).
 
-Whether a block drafts at all is the speculation switch's choice (``fallback.py``): where speculation
+Whether a block drafts at all is the speculation switch's choice (``speculation_switch.py``): where speculation
 does not pay on this machine, blocks decode one token plainly, as ``generate`` does, and
-speculation is probed now and then. Whether the slim tier runs for a block is the controller's choice (``adaptive.py``), unless the
+speculation is probed now and then. Whether the slim tier runs for a block is the controller's choice (``tier_controller.py``), unless the
 tokens the slim tier committed without the full model (its backlog, docs/design.md, "The KV cache") would exceed
 ``max_slim_backlog``: then the full model catches up first. With a ``MaskSet``, which of its masks
 the slim tier runs is the mask chooser's choice (``mask_chooser.py``).
@@ -165,7 +165,7 @@ class ViaSDDecoder:
         self.drafter_prefilled = True
 
     def speculates(self) -> bool:
-        """Whether the next block drafts (``fallback.SpeculationSwitch``; always, where timings may not steer)."""
+        """Whether the next block drafts (``speculation_switch.SpeculationSwitch``; always, where timings may not steer)."""
         return self.switch is None or self.switch.speculates()
 
     def first_block_is_two_tier(self) -> bool:

@@ -9,7 +9,7 @@
 - ``shadow_tiered``: a probe of the slim tier that commits nothing of its own: the slim verifier
   walks the draft as ``tiered`` would, then the full model decides the block as ``two_tier``.
 
-Each returns a ``BlockResult``; the decode loop (``decoding.py``) commits it and records it.
+Each returns a ``BlockResult``; the decode loop (``loop.py``) commits it and records it.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
 def shadow_tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
     """The slim tier's walk as ``tiered`` would take it, but the full model decides the block as ``two_tier``.
 
-    What the slim tier would have committed prices a slim block (``adaptive.TierController`` probes
+    What the slim tier would have committed prices a slim block (``tier_controller.TierController`` probes
     the slim tier this way while it is off) without a token of the output being the slim tier's.
     """
     view = tiers.slim.score(state, draft.tokens)

@@ -23,7 +23,7 @@ class ViaSDStats:
     ``mask_choice`` names the mask chosen and why, with every mask's agreement with the full model
     and escalation rate (``MaskChooser.report``). Where speculation did not pay, ``plain_blocks`` counts
     the blocks decoded one token at a time without a draft, ``speculation_switches`` when and why the
-    decoder switched between the two, and ``speculation_verdict`` where it stood at the end (``fallback``).
+    decoder switched between the two, and ``speculation_verdict`` where it stood at the end (``speculation_switch``).
 
     ``new_tokens == accepted_tokens + slim_tokens + full_tokens`` unless generation stopped inside
     a block: every committed token was a draft that was accepted (by the slim or the full tier),
@@ -57,7 +57,7 @@ class ViaSDStats:
     tier_switches: list[dict] = field(default_factory=list)
     slim_tier_verdict: str | None = None
     mask_choice: dict[str, Any] | None = None
-    plain_blocks: int = 0  # blocks decoded without a draft, one token each: speculation did not pay (``fallback``)
+    plain_blocks: int = 0  # blocks decoded without a draft, one token each: speculation did not pay (``speculation_switch``)
     speculation_switches: list[dict] = field(default_factory=list)
     speculation_verdict: str | None = None
     full_forwards: int = 0

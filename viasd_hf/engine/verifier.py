@@ -34,7 +34,7 @@ class TierLogits:
     ``logits`` are raw (float32, what ``output_logits`` returns), ``scores`` processed as ``generate``
     processes them (what ``output_scores`` returns and tokens are chosen from), and ``unscaled`` the
     raw probabilities over the tokens the processors allow, which the tier thresholds compare
-    (``tiers.allowed_unscaled``): a token the processors forbid has confidence 0 there.
+    (``decisions.allowed_unscaled``): a token the processors forbid has confidence 0 there.
     """
 
     logits: torch.Tensor

@@ -224,7 +224,7 @@ class MaskSet:
         )  # fmt: skip
 
     def check_pushable(self, model: nn.Module | None = None) -> None:
-        """Refuse a set with a member that a mask push would refuse (``masks.check_pushable``), naming it."""
+        """Refuse a set with a member that a mask push would refuse (``routing_mask.check_pushable``), naming it."""
         for name, mask in self.masks.items():
             try:
                 check_pushable(mask, model)

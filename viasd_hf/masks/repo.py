@@ -143,6 +143,11 @@ def find_pair_file(
     Raises ``NotFoundError`` naming every place it looked, ``what`` it looked for and ``how_to`` get one.
     """
     headline = f"no {what} for target {target!r} with drafter {drafter!r}"
+    if not model_slug(target):  # a model built from a config has no name to look its pair up by
+        raise NotFoundError(
+            f"{headline}: the target has no name (its config's _name_or_path is empty), so there is no pair "
+            f"to look up.\n{how_to}"
+        )
     folders = tuple(dict.fromkeys(drafter_folder(name) for name in (drafter, *fallback_drafters)))
     explicit = repo_id is not None or lookup["revision"] is not None
     repo_id = repo_id or default_masks_repo()

@@ -67,7 +67,7 @@ def tier_heads(
     vocabulary: DraftVocabulary | None, tiers: tuple[str, ...], drafter_model: nn.Module | None, target: nn.Module
 ) -> tuple[SubsetHead | None, SubsetHead | None]:
     """The sliced heads of the drafter model (``None`` for a model-free drafter) and of the slim verifier,
-    for the tiers named in ``tiers``; ``(None, None)`` without a vocabulary."""
+    for the tiers named in ``decisions``; ``(None, None)`` without a vocabulary."""
     if vocabulary is None:
         return None, None
     drafter_head = None

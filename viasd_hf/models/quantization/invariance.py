@@ -9,7 +9,7 @@ differs between CPUs and library releases. So it is measured: the MLP of a one-l
 in the scheme runs a block of rows and each row alone. The scheme is batch-invariant when its rows
 move with the block no more than those of the unquantised layer in the same dtype (not at all,
 where those kernels are batch-invariant): then quantising adds no batch dependence of its own.
-Verdicts are cached per CPU, thread count and library versions (:mod:`.machine`).
+Verdicts are cached per CPU, thread count and library versions (:mod:`viasd_hf.models.machine`).
 """
 
 from __future__ import annotations
