@@ -11,9 +11,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from viasd_hf.validation import is_int
-
-from viasd_hf.validation import is_real
+from viasd_hf.validation import BOOL, INT, REAL, FieldType, check_fields, instance_of
 from viasd_hf.hub.mixin import HubMixin
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import RoutingMask
@@ -28,8 +26,35 @@ VOCABULARY_TIERS = ("drafter", "slim")
 DRAFTER_PRECISIONS = ("auto", "as_loaded")
 
 
-def _wrong_type(name: str, expected: str, value: Any) -> TypeError:
-    return TypeError(f"ViaSDConfig.{name} must be {expected}, got {value!r} ({type(value).__name__})")
+_PATH = (str, os.PathLike, type(None))
+_FIELD_TYPES = (
+    (("num_draft_tokens", "max_slim_backlog"), INT),
+    (("drafter_context",), INT.or_none()),
+    (("use_slim", "adaptive", "runner_up", "plain_fallback"), BOOL),
+    (("tau_accept", "tau_escalate"), REAL),
+    (("draft_confidence_threshold", "cascade_lenience"), REAL.or_none()),
+    (
+        ("routing_mask",),
+        instance_of(
+            RoutingMask, MaskSet, *_PATH, expected="a RoutingMask, a MaskSet, a local path or Hub repo id (str), or None"
+        ),
+    ),
+    (
+        ("self_draft_mask",),
+        instance_of(RoutingMask, *_PATH, expected="a RoutingMask, a local path or Hub repo id (str), or None"),
+    ),
+    (
+        ("vocabulary",),
+        instance_of(DraftVocabulary, *_PATH, expected='a DraftVocabulary, "auto", a local path or Hub repo id (str), or None'),
+    ),
+    (
+        ("vocabulary_tiers",),
+        FieldType(
+            lambda tiers: isinstance(tiers, (tuple, list)) and all(isinstance(tier, str) for tier in tiers),
+            "a tuple of tier names (str)",
+        ),
+    ),
+)
 
 
 @dataclass
@@ -140,7 +165,7 @@ class ViaSDConfig(HubMixin):
         Runs when the config is built and again when ``generate`` uses it, so fields changed after
         construction are checked too.
         """
-        self._check_types()
+        check_fields(self, _FIELD_TYPES, "ViaSDConfig.{}")
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.draft_confidence_threshold is not None and not 0.0 <= self.draft_confidence_threshold < 1.0:
@@ -183,33 +208,6 @@ class ViaSDConfig(HubMixin):
                 f"max_slim_backlog ({self.max_slim_backlog}) must exceed num_draft_tokens ({self.num_draft_tokens}): "
                 "a slim block commits up to num_draft_tokens + 1 tokens"
             )
-
-    def _check_types(self) -> None:
-        for name in ("num_draft_tokens", "max_slim_backlog"):
-            if not is_int(getattr(self, name)):
-                raise _wrong_type(name, "an int", getattr(self, name))
-        if self.drafter_context is not None and not is_int(self.drafter_context):
-            raise _wrong_type("drafter_context", "an int or None", self.drafter_context)
-        for name in ("use_slim", "adaptive", "runner_up", "plain_fallback"):
-            if not isinstance(getattr(self, name), bool):
-                raise _wrong_type(name, "True or False", getattr(self, name))
-        for name in ("tau_accept", "tau_escalate"):
-            if not is_real(getattr(self, name)):
-                raise _wrong_type(name, "a number", getattr(self, name))
-        for name in ("draft_confidence_threshold", "cascade_lenience"):
-            if getattr(self, name) is not None and not is_real(getattr(self, name)):
-                raise _wrong_type(name, "a number or None", getattr(self, name))
-        if not isinstance(self.routing_mask, (RoutingMask, MaskSet, str, os.PathLike, type(None))):
-            expected = "a RoutingMask, a MaskSet, a local path or Hub repo id (str), or None"
-            raise _wrong_type("routing_mask", expected, self.routing_mask)
-        if not isinstance(self.self_draft_mask, (RoutingMask, str, os.PathLike, type(None))):
-            expected = "a RoutingMask, a local path or Hub repo id (str), or None"
-            raise _wrong_type("self_draft_mask", expected, self.self_draft_mask)
-        if not isinstance(self.vocabulary, (DraftVocabulary, str, os.PathLike, type(None))):
-            expected = "a DraftVocabulary, \"auto\", a local path or Hub repo id (str), or None"
-            raise _wrong_type("vocabulary", expected, self.vocabulary)
-        if not isinstance(self.vocabulary_tiers, (tuple, list)) or not all(isinstance(t, str) for t in self.vocabulary_tiers):
-            raise _wrong_type("vocabulary_tiers", "a tuple of tier names (str)", self.vocabulary_tiers)
 
     @classmethod
     def for_call(cls, viasd_config: Any) -> ViaSDConfig:

@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 from viasd_hf.masks.architectures import is_encoder_decoder
 
 from viasd_hf.masks.architectures import model_type
-from viasd_hf.validation import is_int
+from viasd_hf.validation import is_int, wrong_type
 from viasd_hf.masks.layer_skipping import skipped_layers_here
 
 
@@ -73,10 +73,8 @@ def check_drafting_options(generation_config: GenerationConfig) -> None:
     """HF's drafting options that VIA-SD reads (``prompt_lookup_num_tokens``) or would silently ignore."""
     tokens = generation_config.prompt_lookup_num_tokens
     if tokens is not None and not is_int(tokens):
-        raise TypeError(
-            f"prompt_lookup_num_tokens must be a whole number of tokens to copy per draft, got {tokens!r} "
-            f"({type(tokens).__name__}); e.g. prompt_lookup_num_tokens=10"
-        )
+        expected = "a whole number of tokens to copy per draft"
+        raise wrong_type("prompt_lookup_num_tokens", expected, tokens, advice="e.g. prompt_lookup_num_tokens=10")
     if tokens is not None and tokens < 1:
         raise ValueError(
             f"prompt_lookup_num_tokens must be >= 1 (the tokens each lookup draft copies), got {tokens}; "

@@ -25,7 +25,7 @@ from viasd_hf.masks.architectures import model_config
 from viasd_hf.masks.architectures import num_decoder_layers
 
 from viasd_hf.masks.architectures import protected_layers
-from viasd_hf.validation import is_int, is_real
+from viasd_hf.validation import INT, JSON_OBJECT, REAL, STR, check_fields, is_int, wrong_type
 from viasd_hf.hub.files import Lookup, NotFoundError, commit
 from viasd_hf.hub.mixin import HubMixin
 from viasd_hf.hub.mask_card import CARD_FILENAME, card_row, render_model_card
@@ -50,20 +50,21 @@ class RoutingMaskError(ValueError):
     """A routing mask that is malformed or does not belong to the model it is applied to."""
 
 
-def _wrong_type(name: str, expected: str, value: Any) -> RoutingMaskError:
-    return RoutingMaskError(f"routing mask field {name!r} must be {expected}, got {value!r} ({type(value).__name__})")
-
-
 # What reading a mask file can raise when the file is malformed (RoutingMaskError is a ValueError,
 # and so are JSON and Unicode decoding errors; wrongly typed fields may raise TypeError).
 MALFORMED_MASK_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
 
 
 # Field types as a mask file must spell them (JSON has no int/bool/float coercion worth trusting).
-_STR_FIELDS = ("target_id", "target_fingerprint", "drafter_id", "library_version")
-_OPTIONAL_STR_FIELDS = ("target_revision", "objective", "calibration")
-_REAL_FIELDS = ("alpha1", "alpha2")
-_OPTIONAL_REAL_FIELDS = ("objective_value", "skip_ratio", "search_time_s")
+_FIELD = "routing mask field {!r}"
+_COUNTS = ((("num_layers", "schema_version"), INT),)
+_FIELD_TYPES = (
+    (("target_id", "target_fingerprint", "drafter_id", "library_version"), STR),
+    (("target_revision", "objective", "calibration"), STR.or_none("null")),
+    (("alpha1", "alpha2"), REAL),
+    (("objective_value", "skip_ratio", "search_time_s"), REAL.or_none("null")),
+    (("metadata",), JSON_OBJECT),
+)
 
 
 @dataclass
@@ -116,32 +117,18 @@ class RoutingMask(HubMixin):
     def _check_types(self) -> None:
         """Raise ``RoutingMaskError`` naming the first field whose type is wrong; nothing is coerced silently."""
         if not isinstance(self.kept_layers, (list, tuple, range)):
-            raise _wrong_type("kept_layers", "a list of layer indices (ints)", self.kept_layers)
+            expected = "a list of layer indices (ints)"
+            raise wrong_type(_FIELD.format("kept_layers"), expected, self.kept_layers, RoutingMaskError)
         for layer in self.kept_layers:
             if not is_int(layer):
                 raise RoutingMaskError(
                     f"routing mask field 'kept_layers' must hold layer indices (ints), got {layer!r} "
                     f"({type(layer).__name__}) in {list(self.kept_layers)!r}"
                 )
-        for name in ("num_layers", "schema_version"):
-            if not is_int(getattr(self, name)):
-                raise _wrong_type(name, "an int", getattr(self, name))
+        check_fields(self, _COUNTS, _FIELD, RoutingMaskError)
         if self.num_layers < 1:
             raise RoutingMaskError(f"routing mask field 'num_layers' must be >= 1, got {self.num_layers}")
-        for name in _STR_FIELDS:
-            if not isinstance(getattr(self, name), str):
-                raise _wrong_type(name, "a string", getattr(self, name))
-        for name in _OPTIONAL_STR_FIELDS:
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise _wrong_type(name, "a string or null", getattr(self, name))
-        for name in _REAL_FIELDS:
-            if not is_real(getattr(self, name)):
-                raise _wrong_type(name, "a number", getattr(self, name))
-        for name in _OPTIONAL_REAL_FIELDS:
-            if getattr(self, name) is not None and not is_real(getattr(self, name)):
-                raise _wrong_type(name, "a number or null", getattr(self, name))
-        if not isinstance(self.metadata, dict):
-            raise _wrong_type("metadata", "a JSON object (dict)", self.metadata)
+        check_fields(self, _FIELD_TYPES, _FIELD, RoutingMaskError)
 
     @property
     def skipped_layers(self) -> list[int]:

@@ -25,7 +25,7 @@ from viasd_hf.masks.architectures import base_model
 from viasd_hf.masks.architectures import config_fingerprint
 
 from viasd_hf.masks.architectures import model_config
-from viasd_hf.validation import is_int, is_real
+from viasd_hf.validation import INT, JSON_OBJECT, STR, FieldType, check_fields, is_int, is_real
 from viasd_hf.hub.files import Lookup, NotFoundError
 from viasd_hf.hub.mixin import HubMixin
 from viasd_hf.masks.repo import find_pair_file, pair_folder
@@ -43,8 +43,27 @@ class DraftVocabularyError(ValueError):
     """A draft vocabulary that is malformed, missing, or not made for the model it is used with."""
 
 
-def _wrong_type(name: str, expected: str, value: Any) -> DraftVocabularyError:
-    return DraftVocabularyError(f"draft vocabulary field {name!r} must be {expected}, got {value!r} ({type(value).__name__})")
+# Field types as a vocabulary file must spell them.
+_FIELD_TYPES = (
+    (
+        ("token_ids",),
+        FieldType(
+            lambda ids: isinstance(ids, (list, tuple)) and all(is_int(token) for token in ids), "a list of token ids (ints)"
+        ),
+    ),
+    (("vocab_size", "schema_version"), FieldType(lambda count: is_int(count) and count >= 1, "an int >= 1")),
+    (("tokenizer_size",), INT.or_none("null")),
+    (("target_id", "target_fingerprint", "drafter_id", "library_version"), STR),
+    (("target_revision", "cost_model_id", "counted"), STR.or_none("null")),
+    (
+        ("coverage", "head_cost"),
+        FieldType(
+            lambda table: isinstance(table, dict) and all(isinstance(k, str) and is_real(v) for k, v in table.items()),
+            "a JSON object of size (string) -> number",
+        ),
+    ),
+    (("metadata",), JSON_OBJECT),
+)
 
 
 def lm_head_rows(model: nn.Module) -> int:
@@ -84,7 +103,7 @@ class DraftVocabulary(HubMixin):
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._check_types()
+        check_fields(self, _FIELD_TYPES, "draft vocabulary field {!r}", DraftVocabularyError)
         self.token_ids = [int(token) for token in self.token_ids]
         if not self.token_ids:
             raise DraftVocabularyError("a draft vocabulary must hold at least one token id")
@@ -100,27 +119,6 @@ class DraftVocabulary(HubMixin):
                 f"draft vocabulary schema {self.schema_version} is newer than this viasd_hf understands "
                 f"({SCHEMA_VERSION}); upgrade viasd_hf"
             )
-
-    def _check_types(self) -> None:
-        if not isinstance(self.token_ids, (list, tuple)) or not all(is_int(token) for token in self.token_ids):
-            raise _wrong_type("token_ids", "a list of token ids (ints)", self.token_ids)
-        for name in ("vocab_size", "schema_version"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise _wrong_type(name, "an int >= 1", getattr(self, name))
-        if self.tokenizer_size is not None and not is_int(self.tokenizer_size):
-            raise _wrong_type("tokenizer_size", "an int or null", self.tokenizer_size)
-        for name in ("target_id", "target_fingerprint", "drafter_id", "library_version"):
-            if not isinstance(getattr(self, name), str):
-                raise _wrong_type(name, "a string", getattr(self, name))
-        for name in ("target_revision", "cost_model_id", "counted"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise _wrong_type(name, "a string or null", getattr(self, name))
-        for name in ("coverage", "head_cost"):
-            table = getattr(self, name)
-            if not isinstance(table, dict) or not all(isinstance(k, str) and is_real(v) for k, v in table.items()):
-                raise _wrong_type(name, "a JSON object of size (string) -> number", table)
-        if not isinstance(self.metadata, dict):
-            raise _wrong_type("metadata", "a JSON object (dict)", self.metadata)
 
     @property
     def size(self) -> int:
