@@ -38,5 +38,13 @@ class ProbeSchedule:
 
     def switched(self, step: int) -> None:
         """The choice changed at ``step``: probe the old one again soon."""
+        self.restart(step)
+
+    def undecided(self, step: int) -> None:
+        """A probe ending at ``step`` neither confirmed nor changed the choice: go on probing at the base rate."""
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        """The next probe ``every`` steps after ``step``, and the doubling from there."""
         self.interval = self.every
         self.due_at = step + self.interval

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from viasd_hf.control.backoff import ProbeSchedule
+
 
 @dataclass
 class KindLedger:
@@ -55,26 +57,25 @@ class CopyOrDraft:
     copied: KindLedger = field(init=False)
     drafted: KindLedger = field(init=False)
     copy_winning: bool = True
-    interval: int = 0  # blocks that could copy between tries of the losing kind (0: not started)
-    countdown: int = 0  # such blocks left until the next try
+    could_copy: int = 0  # blocks so far for which prompt lookup found a match
+    schedule: ProbeSchedule = field(init=False)  # tries of the losing kind, counting blocks that could copy
 
     def __post_init__(self) -> None:
         weight, cost = self.prior_weight, 1 + self.prior_drafts * self.drafter_cost
         self.copied = KindLedger(self.prior_tokens * weight, cost * weight)
         self.drafted = KindLedger(self.prior_tokens * weight, cost * weight)
-        self.interval = self.countdown = self.explore_every
+        self.schedule = ProbeSchedule(first=self.explore_every, every=self.explore_every, longest=self.max_explore_every)
 
     def copy(self) -> bool:
         """Whether this block, for which prompt lookup found a match, is drafted by copying."""
         copy_wins = self.copied.rate >= self.drafted.rate
-        if copy_wins != self.copy_winning:  # a new winner: try the other kind soon again
+        if copy_wins != self.copy_winning:  # a new winner: try the other kind soon again, counting this block
             self.copy_winning = copy_wins
-            self.interval = self.countdown = self.explore_every
-        self.countdown -= 1
-        if self.countdown > 0:
+            self.schedule.switched(self.could_copy)
+        self.could_copy += 1
+        if not self.schedule.due(self.could_copy):
             return copy_wins
-        self.interval = min(2 * self.interval, self.max_explore_every)
-        self.countdown = self.interval
+        self.schedule.confirmed(self.could_copy)  # a try is one block, decided now: the next waits twice as long
         return not copy_wins
 
     def observe(self, copied: bool, committed: int, drafter_passes: int) -> None:

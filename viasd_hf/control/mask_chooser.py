@@ -16,8 +16,8 @@ decision). Counts are kept for the whole call, so switching back needs the evide
 
 Probes start at the ``first_probe``-th slim block and then come every ``probe_every`` slim blocks,
 the alternatives taken in turn; while every alternative is clearly worse, the interval doubles
-(up to ``max_probe_every``). The schedule counts blocks and the tests count tokens, with no
-timing anywhere, so a seeded call is reproducible.
+(up to ``max_probe_every``; ``backoff.ProbeSchedule``). The schedule counts blocks and the tests
+count tokens, with no timing anywhere, so a seeded call is reproducible.
 
 What is remembered follows ``ViaSDConfig.tier_switching`` (``memory.mask_chooser``): where the
 slim tier's on/off choice is measured and remembered across calls (``"measured"``), so is the
@@ -37,6 +37,7 @@ from typing import Any
 from torch import nn
 from transformers import LogitsProcessorList
 
+from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.engine.policies import BlockResult, Tiers
 from viasd_hf.engine.verifier import Verifier
@@ -81,14 +82,17 @@ class MaskChooser:
     discordant: dict[tuple[str, str], int] = field(default_factory=dict)  # rows exactly one of a, b agreed
     switches: list[dict[str, Any]] = field(default_factory=list)
     slim_blocks: int = 0
-    next_probe: int = 0
-    probe_interval: int = 0
     turn: int = 0  # which alternative is probed next
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    schedule: ProbeSchedule = field(init=False)  # counts slim blocks
 
     def __post_init__(self) -> None:
-        self.probe_interval = self.probe_interval or self.probe_every
-        self.next_probe = self.next_probe or self.first_probe
+        self.schedule = ProbeSchedule(first=self.first_probe, every=self.probe_every, longest=self.max_probe_every)
+
+    @property
+    def probe_interval(self) -> int:
+        """Slim blocks between probes now."""
+        return self.schedule.interval
 
     @property
     def alternatives(self) -> list[str]:
@@ -97,7 +101,7 @@ class MaskChooser:
     def plan(self) -> tuple[str, str | None]:
         """The mask to run for the next block, and the one to probe if a probe is due."""
         with self.lock:
-            due = self.slim_blocks >= self.next_probe
+            due = self.schedule.due(self.slim_blocks)
             return self.running, self.alternatives[self.turn % len(self.alternatives)] if due else None
 
     def observe(self, name: str, running: list[bool] | None, probed: str | None, other: list[bool] | None) -> None:
@@ -128,12 +132,11 @@ class MaskChooser:
             self.switches.append({"block": self.slim_blocks, "from": self.running, "to": probed,
                                   "reason": self.reason(probed, self.running)})
             self.running = probed
-            self.probe_interval = self.probe_every
+            self.schedule.switched(self.slim_blocks)
         elif all(self.clearly_better(self.running, other) for other in self.alternatives):
-            self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
+            self.schedule.confirmed(self.slim_blocks)
         else:
-            self.probe_interval = self.probe_every
-        self.next_probe = self.slim_blocks + self.probe_interval
+            self.schedule.undecided(self.slim_blocks)
 
     def reason(self, a: str, b: str) -> str:
         lead, discordant = self.lead[(a, b)], self.discordant[(a, b)]

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.cost_ledgers import BlockCost, PricedBlocks, RepairLedger, SlimEstimate
 
 
@@ -71,18 +72,21 @@ class TierController:
     shadow_probes: bool = False  # probe the slim tier without committing its tokens (tiered mode)
     block: int = 0
     switches: list[dict] = field(default_factory=list)
-    probe_interval: int = 0  # current blocks between probes (0: not started)
-    next_probe: int = 0  # block at which the next probe starts
     probed_tokens: int = 0
     probed_blocks: int = 0
+    schedule: ProbeSchedule = field(init=False)  # counts blocks
 
     def __post_init__(self) -> None:
-        self.probe_interval = self.probe_interval or self.probe_every
-        self.next_probe = self.next_probe or self.first_probe
+        self.schedule = ProbeSchedule(first=self.first_probe, every=self.probe_every, longest=self.max_probe_every)
+
+    @property
+    def probe_interval(self) -> int:
+        """Blocks between probes now."""
+        return self.schedule.interval
 
     @property
     def probing(self) -> bool:
-        return self.block >= self.next_probe
+        return self.schedule.due(self.block)
 
     def use_slim(self) -> bool:
         """Whether the next block runs the slim tier."""
@@ -139,13 +143,11 @@ class TierController:
 
     def _back_off(self) -> None:
         """A probe confirmed the current choice (or could not change it): wait twice as long before the next one."""
-        self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
-        self.next_probe = self.block + self.probe_interval
+        self.schedule.confirmed(self.block)
 
     def _switch(self) -> None:
         self.slim_on = not self.slim_on
-        self.probe_interval = self.probe_every
-        self.next_probe = self.block + self.probe_interval
+        self.schedule.switched(self.block)
         self.switches.append({
             "block": self.block,
             "slim_tier": "on" if self.slim_on else "off",
