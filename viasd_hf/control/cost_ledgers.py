@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from viasd_hf.control.faded import FadedMean
+
 
 @dataclass
 class BlockCost:
@@ -127,17 +129,15 @@ class Prices:
     at once); a pass that has not run for a while keeps the price it was last measured at.
     """
 
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PASSES, 0.0))
-    passes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PASSES, 0.0))
+    seconds: dict[str, FadedMean] = field(default_factory=lambda: {name: FadedMean() for name in PASSES})
 
     def observe(self, block: BlockCost, decay: float) -> None:
         for name, (seconds, count) in block.pass_costs().items():
             if count:
-                self.seconds[name] = decay * self.seconds[name] + seconds
-                self.passes[name] = decay * self.passes[name] + count
+                self.seconds[name].observe(seconds, decay, weight=count)
 
     def of(self, name: str) -> float | None:
-        return self.seconds[name] / self.passes[name] if self.passes[name] else None
+        return self.seconds[name].mean()
 
 
 @dataclass

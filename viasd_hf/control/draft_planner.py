@@ -45,26 +45,11 @@ from torch import nn
 from viasd_hf.engine.accept import Draft
 from viasd_hf.masks.architectures import decoder_layers
 from viasd_hf.drafters import AssistantDrafter, Drafter, SelfDrafter, model_drafter_of
+from viasd_hf.control.faded import FadedMean
 from viasd_hf.control.speculation_switch import SpeculationSwitch
 from viasd_hf.masks.routing_mask import RoutingMask
 
 PER_TOKEN_SHARE = 0.03  # b / a before it is measured: a 6-token pass costs ~1.15x a 1-token pass on CPU
-
-
-@dataclass
-class FadedMean:
-    """A mean in which each new value outweighs the older ones by ``1 / decay``; ``prior`` counts as
-    ``prior_weight`` values until enough are seen."""
-
-    total: float = 0.0
-    weight: float = 0.0
-
-    def observe(self, value: float, decay: float) -> None:
-        self.total = decay * self.total + value
-        self.weight = decay * self.weight + 1.0
-
-    def mean(self, prior: float, prior_weight: float) -> float:
-        return (self.total + prior * prior_weight) / (self.weight + prior_weight)
 
 
 # Upper edges of the confidence bins. Above 0.9 the scale is logarithmic in 1 − c: on code a drafter is often

@@ -10,7 +10,7 @@ of block is judged by what it committed per unit of cost:
   verifying passes, from the bytes each pass reads: ``draft_planner.StaticCosts``).
 
 Tokens per unit of cost is a ratio of faded sums over the blocks of each kind, as throughput
-must be (``cost_ledgers.Regime``). It is counted in committed tokens and weight bytes, never
+must be (``faded.FadedMean``). It is counted in committed tokens and weight bytes, never
 in seconds, so the choice, like the output, is the same on every run. Neither kind is trusted
 before it is seen: both start from the same prior, a model-drafted block's, and copying wins the
 tie, being free to try; so the first copy decides, and a prompt whose matches are wrong (a
@@ -25,22 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from viasd_hf.control.backoff import ProbeSchedule
-
-
-@dataclass
-class KindLedger:
-    """Faded sums of what blocks of one kind committed and cost, starting from a prior worth ``weight`` blocks."""
-
-    tokens: float
-    cost: float
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.cost
-
-    def observe(self, tokens: int, cost: float, decay: float) -> None:
-        self.tokens = decay * self.tokens + tokens
-        self.cost = decay * self.cost + cost
+from viasd_hf.control.faded import FadedMean
 
 
 @dataclass
@@ -54,21 +39,21 @@ class CopyOrDraft:
     prior_tokens: float = 2.0  # per block, for both kinds
     prior_drafts: float = 2.0  # drafter passes per block, for both kinds: a copy is not presumed cheaper until seen
     prior_weight: float = 2.0
-    copied: KindLedger = field(init=False)
-    drafted: KindLedger = field(init=False)
+    copied: FadedMean = field(init=False)  # tokens per unit of cost, from a prior worth ``prior_weight`` blocks
+    drafted: FadedMean = field(init=False)
     copy_winning: bool = True
     could_copy: int = 0  # blocks so far for which prompt lookup found a match
     schedule: ProbeSchedule = field(init=False)  # tries of the losing kind, counting blocks that could copy
 
     def __post_init__(self) -> None:
         weight, cost = self.prior_weight, 1 + self.prior_drafts * self.drafter_cost
-        self.copied = KindLedger(self.prior_tokens * weight, cost * weight)
-        self.drafted = KindLedger(self.prior_tokens * weight, cost * weight)
+        self.copied = FadedMean(self.prior_tokens * weight, cost * weight)
+        self.drafted = FadedMean(self.prior_tokens * weight, cost * weight)
         self.schedule = ProbeSchedule(first=self.explore_every, every=self.explore_every, longest=self.max_explore_every)
 
     def copy(self) -> bool:
         """Whether this block, for which prompt lookup found a match, is drafted by copying."""
-        copy_wins = self.copied.rate >= self.drafted.rate
+        copy_wins = self.copied.mean() >= self.drafted.mean()
         if copy_wins != self.copy_winning:  # a new winner: try the other kind soon again, counting this block
             self.copy_winning = copy_wins
             self.schedule.switched(self.could_copy)
@@ -81,6 +66,6 @@ class CopyOrDraft:
     def observe(self, copied: bool, committed: int, drafter_passes: int) -> None:
         """A block was committed: ``committed`` tokens, drafted by copying or by ``drafter_passes`` model passes."""
         if copied:
-            self.copied.observe(committed, 1.0, self.decay)
+            self.copied.observe(committed, self.decay, weight=1.0)
         else:
-            self.drafted.observe(committed, 1.0 + drafter_passes * self.drafter_cost, self.decay)
+            self.drafted.observe(committed, self.decay, weight=1.0 + drafter_passes * self.drafter_cost)

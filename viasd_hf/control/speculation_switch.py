@@ -26,21 +26,7 @@ import torch
 
 from viasd_hf.models.machine import native_bf16
 from viasd_hf.control.backoff import ProbeSchedule
-
-
-@dataclass
-class FadedRate:
-    """Tokens per second over faded sums: each new block outweighs the older ones by ``1 / decay``."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-
-    def observe(self, tokens: int, seconds: float, decay: float) -> None:
-        self.tokens = decay * self.tokens + tokens
-        self.seconds = decay * self.seconds + seconds
-
-    def rate(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds > 0 else None
+from viasd_hf.control.faded import FadedMean
 
 
 @dataclass
@@ -58,8 +44,8 @@ class SpeculationSwitch:
     probe_blocks: int = 4
     decay: float = 0.85  # per block of the regime measured
     margin: float = 0.03
-    speculative: FadedRate = field(default_factory=FadedRate)
-    plain: FadedRate = field(default_factory=FadedRate)
+    speculative: FadedMean = field(default_factory=FadedMean)  # tokens per second
+    plain: FadedMean = field(default_factory=FadedMean)
     block: int = 0
     probed: int = 0  # blocks of the probe under way
     switches: list[dict] = field(default_factory=list)
@@ -72,7 +58,7 @@ class SpeculationSwitch:
     def observe(self, speculated: bool, tokens: int, seconds: float) -> None:
         """A finished block of either regime: what it committed and the seconds it took, drafting included."""
         probing = self.schedule.due(self.block)
-        (self.speculative if speculated else self.plain).observe(tokens, seconds, self.decay)
+        (self.speculative if speculated else self.plain).observe(tokens, self.decay, weight=seconds)
         self.block += 1
         if not probing:
             if self.speculating and self._other_is_faster():
@@ -93,13 +79,13 @@ class SpeculationSwitch:
         return f"{state}: {self.describe()}"
 
     def describe(self) -> str:
-        speculative, plain = self.speculative.rate(), self.plain.rate()
+        speculative, plain = self.speculative.mean(), self.plain.mean()
         if speculative is None or plain is None:
             return "not yet compared"
         return f"speculative blocks {speculative:.2f} tokens/s, plain decoding {plain:.2f} tokens/s"
 
     def _other_is_faster(self) -> bool:
-        speculative, plain = self.speculative.rate(), self.plain.rate()
+        speculative, plain = self.speculative.mean(), self.plain.mean()
         if speculative is None or plain is None:
             return False
         if self.speculating:
