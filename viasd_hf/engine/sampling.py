@@ -80,15 +80,3 @@ def cascade_target(
     confident = slim_unscaled > tau * slim_unscaled.max()
     kept = draft_probs * confident
     return kept + (1.0 - kept.sum()) * slim_probs
-
-
-def cascade_step(
-    token: int, proposal: torch.Tensor, probs: torch.Tensor, unscaled: torch.Tensor, tau: float, rng: RandomStream
-) -> tuple[torch.Tensor, int | None]:
-    """One rejection step of a drafted ``token ~ proposal`` against the cascade target π of a verifier.
-
-    Returns π (the distribution the committed token follows) and the resampled token, ``None``
-    when the draft was kept.
-    """
-    target = cascade_target(proposal, probs, unscaled, tau)
-    return target, rejection_step(token, proposal, target, rng)
