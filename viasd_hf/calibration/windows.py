@@ -32,13 +32,12 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 from viasd_hf.masks.architectures import config_fingerprint
 
 from viasd_hf.masks.architectures import model_config
-from viasd_hf.data.tasks import data_dir
+from viasd_hf.data.datasets import SPEC_BENCH_ENV, spec_bench_path, spec_bench_records
 from viasd_hf.engine.kv_cache import crop_to, new_cache
 from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.models.zoo import viasd_home
 from viasd_hf.masks.layer_skipping import routed
 
-SPEC_BENCH_ENV = "VIASD_SPEC_BENCH"
 CACHE_FORMAT = 1
 REFERENCE_BYTES = 1 << 30  # keep full-vocabulary log q in float32 up to this size, else float16
 
@@ -109,21 +108,16 @@ def prompt_ids(windows: Sequence[Window]) -> list[str]:
 # --------------------------------------------------------------------------- prompts
 
 
-def spec_bench_path() -> Path:
-    """``$VIASD_SPEC_BENCH``, else Spec-Bench's questions in the evaluation data (``$VIASD_DATA`` or packaged)."""
-    return Path(os.environ.get(SPEC_BENCH_ENV) or data_dir() / "spec_bench" / "question.jsonl")
-
-
 def spec_bench_prompts(path: str | Path | None = None) -> list[Prompt]:
-    """First turns of the Spec-Bench questions, with their categories (the task mix in docs/design.md, "Benchmarking")."""
+    """First turns of the Spec-Bench questions, with their categories (the task mix in docs/design.md, "Benchmarking"),
+    from ``path``, else ``$VIASD_SPEC_BENCH``, else the evaluation data."""
     path = Path(path) if path else spec_bench_path()
     if not path.is_file():
         raise FileNotFoundError(
             f"Spec-Bench prompts not found at {path}; set ${SPEC_BENCH_ENV} or pass your own prompts "
             "(a JSONL file with a 'prompt' field, or a text file with one prompt per line)"
         )
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [Prompt(str(r["question_id"]), r["turns"][0], r.get("category")) for r in records]
+    return [Prompt(str(r["question_id"]), r["turns"][0], r.get("category")) for r in spec_bench_records(path)]
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:

