@@ -48,15 +48,22 @@ def test_a_windowed_drafter_drafts_what_a_drafter_shown_only_its_tokens_drafts(p
 
 @pytest.mark.parametrize("context", [1, 5, 12, 40])
 @pytest.mark.parametrize("lookup", [False, True])
-def test_lossless_greedy_with_a_windowed_drafter_equals_generate(pair, context, lookup):
+def test_lossless_greedy_with_a_windowed_drafter_equals_generate(pair, context, lookup, monkeypatch):
     target, drafter = pair
     ids = prompt(context, 24) if not lookup else prompt(context, 8).repeat(1, 3)
+    drafters = []  # the assistant drafters the call prefilled
+    prefill = AssistantDrafter.prefill
+    monkeypatch.setattr(AssistantDrafter, "prefill", lambda self, ids: drafters.append(self) or prefill(self, ids))
     expected = target.generate(ids, max_new_tokens=24, **GREEDY)
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", drafter_context=context)
+    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", drafter_context=context,
+                         plain_fallback=False)  # every block speculates, whatever the timings
     extra = {"prompt_lookup_num_tokens": 3} if lookup else {}
     out = target.generate(ids, custom_generate=viasd_generate, viasd_config=config, assistant_model=drafter,
-                          max_new_tokens=24, viasd_check_invariants=True, **GREEDY, **extra)
-    assert torch.equal(out, expected)
+                          max_new_tokens=24, viasd_check_invariants=True, return_dict_in_generate=True, **GREEDY, **extra)
+    assert torch.equal(out.sequences, expected)
+    assert out.viasd_stats.drafter_forwards and out.viasd_stats.drafted_tokens, "the assistant drafted"
+    unread = {drafter.skipped.stop - drafter.skipped.start for drafter in drafters}
+    assert unread == {max(ids.shape[1] - context, 0)}, "the drafter read only the last drafter_context prompt tokens"
 
 
 def test_a_left_padded_prompt_is_read_whole(pair):

@@ -89,12 +89,18 @@ def test_the_hybrid_drafter_learns_from_what_each_block_committed():
     assert model_drafter.drafts > 20 and model_drafter.committed[-1] == ids.shape[-1]
 
 
-def test_lossless_hybrid_decoding_is_still_greedy_decoding():
+def test_lossless_hybrid_decoding_is_still_greedy_decoding(monkeypatch):
     target = enable_viasd(tiny_causal_lm("llama", seed=0))
     drafter = tiny_causal_lm("llama", seed=1)
     prompt = torch.tensor([[3, 17, 5, 3, 17, 5, 9, 3, 17]])
+    copied = []  # per block the hybrid drafter committed: copied (True) or drafted by the assistant (False)
+    observe = CopyOrDraft.observe
+    monkeypatch.setattr(CopyOrDraft, "observe", lambda self, copy, *rest: copied.append(copy) or observe(self, copy, *rest))
     greedy = target.generate(prompt, max_new_tokens=40, do_sample=False)
     hybrid = target.generate(prompt, assistant_model=drafter, prompt_lookup_num_tokens=4, max_new_tokens=40,
-                             do_sample=False, viasd_config=ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]),
-                                                                       mode="lossless"))
-    assert torch.equal(hybrid, greedy)
+                             do_sample=False, return_dict_in_generate=True,
+                             viasd_config=ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless",
+                                                      plain_fallback=False))  # every block speculates, whatever the timings
+    assert torch.equal(hybrid.sequences, greedy)
+    assert True in copied and False in copied, "blocks of both kinds: copied and drafted by the assistant"
+    assert hybrid.viasd_stats.drafted_tokens > hybrid.viasd_stats.drafter_forwards, "copied drafts cost no pass"

@@ -46,7 +46,8 @@ def lying_clock(monkeypatch):
     monkeypatch.setattr(time, "perf_counter", perf_counter)
 
 
-def generate(models, seed: int, drafting: str, config: dict, **kwargs) -> list[int]:
+def generate(models, seed: int, drafting: str, config: dict, stats: list | None = None, **kwargs) -> list[int]:
+    """The new tokens of one seeded call; its ``viasd_stats`` are appended to ``stats`` when given."""
     target, drafter, mask = models
     if drafting == "assistant":
         kwargs["assistant_model"] = drafter
@@ -56,8 +57,10 @@ def generate(models, seed: int, drafting: str, config: dict, **kwargs) -> list[i
         config = config | {"self_draft_mask": RoutingMask.from_model(target, skip=[1, 2, 3, 4])}
     torch.manual_seed(seed)
     out = target.generate(PROMPT, viasd_config=ViaSDConfig(routing_mask=mask, **config), max_new_tokens=24,
-                          pad_token_id=0, **kwargs)
-    return out[0, PROMPT.shape[1]:].tolist()
+                          pad_token_id=0, return_dict_in_generate=True, **kwargs)
+    if stats is not None:
+        stats.append(out.viasd_stats)
+    return out.sequences[0, PROMPT.shape[1]:].tolist()
 
 
 SAMPLING = {"do_sample": True, "temperature": 0.9, "top_k": 40}
@@ -78,15 +81,21 @@ CASES = {
 def test_ten_identically_seeded_calls_give_one_text(models, lying_clock, case, drafting):
     """Default settings (and the explicit reproducible ones) under timings that would flip a wall-clock controller."""
     config, sampling = CASES[case]
-    texts = {tuple(generate(models, 11, drafting, config, **sampling)) for _ in range(10)}
+    stats = []
+    texts = {tuple(generate(models, 11, drafting, config, stats, **sampling)) for _ in range(10)}
     assert len(texts) == 1, f"{len(texts)} different texts from one seed"
+    assert all(call.blocks and call.drafted_tokens for call in stats), "every call speculated: drafts were verified"
+    assert len({(call.drafted_tokens, call.accepted_tokens, call.blocks) for call in stats}) == 1, "and alike"
 
 
 @pytest.mark.parametrize("mode", ["lossless", "tiered"])
 def test_the_seed_decides_the_sampled_text(models, mode):
     """A sanity check on the test above: sampling does sample, so one text from one seed means something."""
-    texts = {tuple(generate(models, seed, "assistant", {"mode": mode}, **SAMPLING)) for seed in range(4)}
+    stats = []
+    texts = {tuple(generate(models, seed, "assistant", {"mode": mode}, stats, **SAMPLING)) for seed in range(4)}
     assert len(texts) == 4
+    assert all(call.drafted_tokens and call.accepted_tokens for call in stats), "the assistant's drafts were kept"
+    assert any(call.accepted_tokens < call.drafted_tokens for call in stats), "and rejected: the seed drew both"
 
 
 @pytest.mark.parametrize("mode", ["lossless", "tiered"])
