@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
 from viasd_hf.bench.methods import METHODS, MethodName, MethodTable, Outcome
+from viasd_hf.bench.report import environment, source_revision
 from viasd_hf.bench.runner import MethodRuns, agreement, run_methods, summarise
 from viasd_hf.data.tasks import Example
 from viasd_hf.cli import main
@@ -152,6 +155,36 @@ def test_run_methods_interleaves_and_keeps_every_repeat(table):
     assert runs["two_tier"].outcomes[1].tokens == runs["greedy"].outcomes[1].tokens
 
 
+def git(folder: Path, *args: str) -> str:
+    command = ["git", "-C", str(folder), "-c", "user.name=bench", "-c", "user.email=bench@example.com",
+               "-c", "commit.gpgsign=false", *args]
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_environment_names_the_commit_measured_and_whether_it_had_changes(tmp_path):
+    package = tmp_path / "viasd_hf"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    assert source_revision(package) == {"commit": None, "dirty": None}, "not a git checkout"
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", "viasd_hf/__init__.py")
+    git(tmp_path, "commit", "-q", "-m", "first")
+    assert source_revision(package) == {"commit": git(tmp_path, "rev-parse", "HEAD"), "dirty": False}
+    (package / "__init__.py").write_text("changed = True\n")
+    assert source_revision(package) == {"commit": git(tmp_path, "rev-parse", "HEAD"), "dirty": True}
+    installed = tmp_path / "site-packages" / "viasd_hf"  # a copy the checkout does not track: not its commit
+    shutil.copytree(package, installed)
+    assert source_revision(installed) == {"commit": None, "dirty": None}
+
+
+def test_the_environment_has_no_commit_without_git(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git to run
+    assert source_revision() == {"commit": None, "dirty": None}
+    recorded = environment(1.0)
+    assert recorded["commit"] is None and recorded["dirty"] is None and recorded["viasd_hf"]
+
+
 @pytest.mark.integration
 def test_bench_cli_runs_every_method_on_spec_bench(tmp_path, capsys):
     """What CI runs: every method, two prompts per Spec-Bench task, on the small model (no timing asserted)."""
@@ -172,6 +205,7 @@ def test_bench_cli_runs_every_method_on_spec_bench(tmp_path, capsys):
         assert data["methods"][name]["quality"]["full_model_agreement"] >= 0.99, name
     assert 0 <= data["methods"]["viasd"]["quality"]["full_model_agreement"] <= 1
     assert data["environment"]["machine_bandwidth_gb_s"] > 0
+    assert data["environment"]["commit"] == source_revision()["commit"] and "dirty" in data["environment"]
     assert len(data["outputs"]["viasd"]) == 12
     assert {p.name for p in pictures.iterdir()} == {"speedup_vs_quality.png", "tier_fractions.png"}
     assert sum(data["methods"]["viasd"]["time_shares"].values()) == pytest.approx(1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +105,29 @@ def _bucket_order(item: tuple[Bucket, str]) -> tuple:
     return bucket.attention.__name__, str(bucket.dtype), bucket.query_rows, bucket.kv_length
 
 
+def _git(folder: Path, *args: str) -> str | None:
+    """What ``git -C folder args`` prints, or ``None`` where git is missing or fails."""
+    try:
+        done = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def source_revision(package: Path | None = None) -> dict[str, str | bool | None]:
+    """The git commit of the source tree ``package`` (viasd_hf's folder by default) is imported from, and whether
+    that checkout has changes not committed (``git status --porcelain``); ``None`` for either where it is not known:
+    no git, or a package that git does not track there (an installed wheel)."""
+    folder = Path(package or Path(__file__).parents[1]).resolve()
+    if _git(folder, "ls-files", "--error-unmatch", "__init__.py") is None:
+        return {"commit": None, "dirty": None}
+    commit, status = _git(folder, "rev-parse", "HEAD"), _git(folder, "status", "--porcelain")
+    return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
+
+
 def environment(bandwidth_gb_s: float) -> dict[str, Any]:
-    """Versions, threads and hardware: a ratio means little without the machine it was measured on."""
+    """Versions, threads and hardware: a ratio means little without the machine it was measured on; and the
+    commit of the source that measured it."""
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
@@ -117,6 +139,7 @@ def environment(bandwidth_gb_s: float) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "viasd_hf": __version__,
+        **source_revision(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
