@@ -379,7 +379,7 @@ def unreachable_hub(monkeypatch) -> list[str]:
 
     def counting_send(self, request, *args, **kwargs):
         assert request.url.host == "127.0.0.1", f"a request left the test: {request.url}"
-        if str(request.url).startswith(endpoint) and request.url.path.endswith("/routing_mask.json"):
+        if str(request.url).startswith(endpoint) and request.url.path.endswith(("/routing_mask.json", "/mask_set.json")):
             attempts.append(f"{request.method} {request.url}")  # (the client may also fetch its own metadata)
         return send(self, request, *args, **kwargs)
 
@@ -467,6 +467,24 @@ def test_push_publishes_a_mask_set_folder_whole(fake_hub, llama, tmp_path):
     assert code == 2 and err.startswith(f"viasd push: error: MASK_DIR {folder}: not a valid routing mask: mask set member "
                                         "'code': the routing mask lacks the target's id"), err
     assert len(fake_hub.requests) == requests
+
+
+def test_pull_writes_a_pushed_mask_set_whole_and_drops_a_stale_one(fake_hub, llama, tmp_path, capsys):
+    masks = MaskSet({"general": llama_mask(llama), "code": llama_mask(llama, skip=[1])})
+    masks.push_to_hub(REPO, endpoint=fake_hub.url)
+    out = tmp_path / "pulled"
+    old = MaskSet({"general": llama_mask(llama), "math": llama_mask(llama, skip=[2]), "chat": llama_mask(llama, skip=[4])})
+    old.save_pretrained(out)  # a set pulled before, with members the new one lacks
+    assert main(["pull", "--target", "tiny-random-llama", "--endpoint", fake_hub.url, "--repo-id", REPO, "--out", str(out)]) == 0
+    assert MaskSet.from_pretrained(out) == masks
+    assert sorted(p.name for p in (out / "masks").iterdir()) == ["code.json"]
+    said = capsys.readouterr().out
+    assert "a mask set of 2 masks for tiny-random-llama (default 'general')" in said and "'code' keeps" in said
+
+    RoutingMask.from_model(llama, skip=[2]).push_to_hub(REPO, endpoint=fake_hub.url)  # a lone mask replaces the set
+    assert run_cli(["pull", "--target", "tiny-random-llama", "--endpoint", fake_hub.url, "--repo-id", REPO, "--out", str(out)]) == (0, "")
+    assert not (out / mask_repo.MASK_SET_FILENAME).exists() and not (out / "masks").exists()
+    assert MaskSet.from_pretrained(out).masks == {"default": RoutingMask.from_model(llama, skip=[2])}
 
 
 # --------------------------------------------------------------------------- `viasd push` and `viasd pull` arguments

@@ -1,4 +1,4 @@
-"""``viasd push`` and ``viasd pull``: routing masks (and mask sets, pushed) to and from a Hub repo of masks, one pair at a time."""
+"""``viasd push`` and ``viasd pull``: routing masks and mask sets to and from a Hub repo of masks, one pair at a time."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from pathlib import Path
 from huggingface_hub import constants
 from huggingface_hub.errors import HfHubHTTPError
 
-from viasd_hf.hub.publish import push_mask
-
-from viasd_hf.hub.publish import read_pushable
+from viasd_hf.hub.publish import push_mask, read_pushable
 from viasd_hf.hub.files import NO_ANSWER
 from viasd_hf.masks.repo import DEFAULT_MASKS_REPO, MASK_FILENAME, MASK_SET_FILENAME, MASKS_REPO_ENV, SEARCH_LOG_FILENAME
-from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
+from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMaskError
 from viasd_hf.cli.args import CommandError, UsageError, check_endpoint, check_output_dir, check_repo_id, first_line
 
 
@@ -27,12 +26,12 @@ def add_hub_commands(subparsers: argparse._SubParsersAction) -> None:
     _add_hub_options(push, revision_help="branch to commit to (created if missing; default main)")
     push.set_defaults(handler=run_push_command)
 
-    pull = subparsers.add_parser("pull", help="download the routing mask of a target/drafter pair")
+    pull = subparsers.add_parser("pull", help="download the routing mask (or mask set) of a target/drafter pair")
     pull.add_argument("--target", required=True, help="target model: Hub id or zoo name")
     pull.add_argument("--drafter", default="self", help='drafter model: Hub id, zoo name or "self" (default)')
     pull.add_argument("--repo-id", help=f"Hub repo of masks (default ${MASKS_REPO_ENV} or {DEFAULT_MASKS_REPO})")
     _add_hub_options(pull, revision_help="branch or commit sha to read (default main)")
-    pull.add_argument("--out", required=True, type=Path, help=f"folder to write {MASK_FILENAME} into")
+    pull.add_argument("--out", required=True, type=Path, help=f"folder to write {MASK_FILENAME} (and a set's {MASK_SET_FILENAME} and members) into")
     pull.set_defaults(handler=run_pull_command)
 
 
@@ -64,7 +63,7 @@ def run_push_command(args: argparse.Namespace) -> int:
 
 
 def run_pull_command(args: argparse.Namespace) -> int:
-    """Find the pair's mask (see ``RoutingMask.find_for_pair``), save it to ``--out`` and say where it came from."""
+    """Find the pair's mask set or mask (``MaskSet.find_for_pair``), save it to ``--out`` and say where it came from."""
     check_repo_id(args.repo_id)
     check_endpoint(args.endpoint)
     for flag, model in (("--target", args.target), ("--drafter", args.drafter)):
@@ -72,7 +71,7 @@ def run_pull_command(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} must name a model")
     check_output_dir(args.out, "--out")
     try:
-        mask, where = RoutingMask.find_for_pair(
+        masks, where = MaskSet.find_for_pair(
             args.target, args.drafter, repo_id=args.repo_id, revision=args.revision, endpoint=args.endpoint,
             token=args.token,
         )  # fmt: skip
@@ -80,6 +79,18 @@ def run_pull_command(args: argparse.Namespace) -> int:
         raise CommandError(str(error)) from None
     except MALFORMED_MASK_ERRORS as error:
         raise CommandError(f"the routing mask found is not valid: {first_line(error)}") from None
-    path = mask.save_pretrained(args.out)
-    print(f"wrote {path} (from {where}): keeps {len(mask.kept_layers)} of {mask.num_layers} layers of {mask.target_id}")
+    if len(masks.masks) == 1:
+        path = masks.default_mask.save_pretrained(args.out)
+    else:
+        path = masks.save_pretrained(args.out)
+    print(f"wrote {path} (from {where}): {_describe(masks)}")
     return 0
+
+
+def _describe(masks: MaskSet) -> str:
+    """What was pulled, one clause per member: layers kept, the default first."""
+    kept = [f"{name!r} keeps {len(mask.kept_layers)} of {mask.num_layers} layers" for name, mask in masks.masks.items()]
+    target = masks.default_mask.target_id
+    if len(kept) == 1:
+        return f"keeps {len(masks.default_mask.kept_layers)} of {masks.default_mask.num_layers} layers of {target}"
+    return f"a mask set of {len(kept)} masks for {target} (default {masks.default!r}): " + "; ".join(kept)

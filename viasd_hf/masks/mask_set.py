@@ -43,6 +43,7 @@ from viasd_hf.masks.routing_mask import (
     RoutingMaskError,
     check_pushable,
     mask_records,
+    remove_mask_set,
     search_log_operations,
 )
 
@@ -128,8 +129,12 @@ class MaskSet:
         return cls(**data)
 
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> Path:
-        """Write the members and ``mask_set.json`` into ``save_directory`` (made if missing); returns the index's path."""
+        """Write the members and ``mask_set.json`` into ``save_directory`` (made if missing); returns the index's path.
+
+        A set saved there before is removed first, so no stale member stays beside this set's.
+        """
         directory = Path(save_directory)
+        remove_mask_set(directory)
         for name, file in self.files().items():
             (directory / file).parent.mkdir(parents=True, exist_ok=True)
             (directory / file).write_text(self.masks[name].to_json())
@@ -156,19 +161,13 @@ class MaskSet:
         before a single ``routing_mask.json``, which is read as a set of one (its member is
         called ``"default"``). Raises ``RoutingMaskError`` naming every place it looked.
         """
+        if isinstance(source, tuple):
+            return cls.find_for_pair(
+                *source, repo_id=repo_id, revision=revision, endpoint=endpoint, token=token,
+                local_files_only=local_files_only, cache_dir=cache_dir,
+            )[0]  # fmt: skip
         api = HfApi(endpoint=endpoint, token=token)
         lookup = Lookup(revision=revision, local_files_only=local_files_only, cache_dir=cache_dir)
-        if isinstance(source, tuple):
-            try:
-                found = find_pair_file(api, *source, repo_id, lookup, (MASK_SET_FILENAME, MASK_FILENAME))
-            except NotFoundError as error:
-                raise RoutingMaskError(str(error)) from error
-            if found.path.name == MASK_FILENAME:
-                return cls({SINGLE_MEMBER: RoutingMask.from_pretrained(found.path)})
-            if found.repo_id is None:
-                return _read_index(found.path, lambda file: found.path.parent / file)
-            folder = found.path_in_repo.rsplit("/", 1)[0]
-            return _read_index(found.path, lambda file: fetch(api, found.repo_id, f"{folder}/{file}", lookup)[0])
         if repo_id is not None:
             raise ValueError("repo_id= is for a (target, drafter) pair; pass a repo id as the source itself")
         path = Path(source, subfolder or "")
@@ -187,6 +186,37 @@ class MaskSet:
             local_files_only=local_files_only, cache_dir=cache_dir,
         )  # fmt: skip
         return cls({SINGLE_MEMBER: single})
+
+    @classmethod
+    def find_for_pair(
+        cls,
+        target: str,
+        drafter: str = "self",
+        *,
+        repo_id: str | None = None,
+        revision: str | None = None,
+        endpoint: str | None = None,
+        token: str | bool | None = None,
+        local_files_only: bool = False,
+        cache_dir: str | Path | None = None,
+    ) -> tuple[MaskSet, str]:
+        """The ``(target, drafter)`` pair's set and where it was found, looked up as ``RoutingMask.find_for_pair``.
+
+        In each place a ``mask_set.json`` is read before a lone ``routing_mask.json`` (a set of one,
+        its member called ``"default"``). Raises ``RoutingMaskError`` naming every place it looked.
+        """
+        api = HfApi(endpoint=endpoint, token=token)
+        lookup = Lookup(revision=revision, local_files_only=local_files_only, cache_dir=cache_dir)
+        try:
+            found = find_pair_file(api, target, drafter, repo_id, lookup, (MASK_SET_FILENAME, MASK_FILENAME))
+        except NotFoundError as error:
+            raise RoutingMaskError(str(error)) from error
+        if found.path.name == MASK_FILENAME:
+            return cls({SINGLE_MEMBER: RoutingMask.from_pretrained(found.path)}), found.where
+        if found.repo_id is None:
+            return _read_index(found.path, lambda file: found.path.parent / file), found.where
+        folder = found.path_in_repo.rsplit("/", 1)[0]
+        return _read_index(found.path, lambda file: fetch(api, found.repo_id, f"{folder}/{file}", lookup)[0]), found.where
 
     def push_to_hub(
         self,

@@ -184,7 +184,7 @@ class RoutingMask(HubMixin):
         As transformers' ``save_pretrained`` drops a previous save's stale weight files, the folder then
         holds this one mask; save a ``MaskSet`` to keep a set.
         """
-        _remove_mask_set(Path(save_directory))
+        remove_mask_set(Path(save_directory))
         return super().save_pretrained(save_directory)
 
     def to_dict(self) -> dict[str, Any]:
@@ -333,7 +333,7 @@ def search_log_operations(files: list[str], folder: str, search_log: bytes | Non
     return [CommitOperationDelete(path)] if path in files else []
 
 
-def _remove_mask_set(directory: Path) -> None:
+def remove_mask_set(directory: Path) -> None:
     """Delete the mask set saved in ``directory``, if any, but its default member (``routing_mask.json``)."""
     index = directory / MASK_SET_FILENAME
     if not index.is_file():
