@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from conftest import VOCAB, TokensPerCall, assert_stats_consistent, near_copy, tiny_causal_lm
 from viasd_hf.models.quantization import choice as quantization_choice, invariance
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
-from viasd_hf.models import quantization
+from viasd_hf.models import machine, quantization
 from viasd_hf import routed
 from viasd_hf.models.loading import load_pretrained
 from viasd_hf.models.quantization import (
@@ -137,6 +137,24 @@ def test_auto_measures_once_then_reads_the_cache(home, tiny_folder, monkeypatch)
     model, _ = load_pretrained(str(tiny_folder), quantization=AUTO)
     assert len(calls) == 1
     assert model.dtype == SCHEMES[AVAILABLE[0]].dtype
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the same CPU with oneDNN capped: other kernels, a new verdict
+    resolve_quantization(str(tiny_folder), AUTO)
+    assert len(calls) == 2 and len(list((home / "quantization").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize(("cap", "native"), [("avx2", False), ("AVX512_CORE", False), ("AVX512_CORE_AMX", None), (None, None)])
+def test_a_onednn_instruction_cap_below_bf16_makes_bf16_emulated(monkeypatch, cap, native):
+    """``None``: as the CPU's flags say."""
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    flags = set(machine.cpu_identity()["flags"])
+    expected = bool({"avx512_bf16", "amx_bf16"} & flags) if native is None else native
+    assert machine.native_bf16() is expected
+    assert machine.machine_key()["kernels"] == {"aten": torch.backends.cpu.get_cpu_capability(),
+                                                "onednn": cap.upper() if cap else None}
 
 
 def test_measuring_a_tiny_model_covers_every_scheme_and_is_cached(home, tiny_folder):

@@ -24,6 +24,11 @@ _CPU_FLAGS = (
     "asimd", "asimdhp", "sve", "bf16", "fphp",
 )  # fmt: skip
 _NATIVE_FP16 = ("avx512_fp16", "amx_fp16", "asimdhp")
+# oneDNN's cap on the instructions it may use (its documented variable, and the older name); bf16 matrix
+# products stay native only under a cap that includes AVX512-BF16 or AMX
+_ONEDNN_CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+_ONEDNN_BF16_CAPS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+                     "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")
 LIBRARIES = ("torch", "transformers", "bitsandbytes", "torchao")
 
 
@@ -43,9 +48,19 @@ def cpu_identity() -> dict[str, Any]:
             "cpus": os.cpu_count()}  # fmt: skip
 
 
+def kernel_caps() -> dict[str, str | None]:
+    """What this process lets the kernels use, which the CPU flags do not say: ATen's vector level
+    (``$ATEN_CPU_CAPABILITY`` can lower it) and oneDNN's instruction cap (``$ONEDNN_MAX_CPU_ISA``)."""
+    onednn = next((os.environ[name] for name in _ONEDNN_CAP_VARIABLES if os.environ.get(name)), None)
+    return {"aten": torch.backends.cpu.get_cpu_capability(), "onednn": onednn.upper() if onednn else None}
+
+
 def native_bf16() -> bool:
-    """Whether the CPU multiplies bf16 matrices itself (AVX512-BF16 or AMX); elsewhere bf16 products are emulated."""
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_identity()["flags"]))
+    """Whether the CPU multiplies bf16 matrices itself (AVX512-BF16 or AMX) and oneDNN may use it; elsewhere
+    bf16 products are emulated."""
+    onednn = kernel_caps()["onednn"]
+    allowed = onednn is None or onednn in _ONEDNN_BF16_CAPS
+    return allowed and bool({"avx512_bf16", "amx_bf16"} & set(cpu_identity()["flags"]))
 
 
 def native_fp16() -> bool:
@@ -61,8 +76,9 @@ def library_version(package: str) -> str | None:
 
 
 def machine_key() -> dict[str, Any]:
-    """The CPU, torch's thread count and the library versions: what a kernel's behaviour may depend on."""
-    return {"cpu": cpu_identity(), "threads": torch.get_num_threads(),
+    """The CPU, the kernels' caps, torch's thread count and the library versions: what a kernel's behaviour may
+    depend on."""
+    return {"cpu": cpu_identity(), "kernels": kernel_caps(), "threads": torch.get_num_threads(),
             "versions": {p: library_version(p) for p in LIBRARIES}}  # fmt: skip
 
 

@@ -27,7 +27,7 @@ from viasd_hf.masks.architectures import config_fingerprint
 from viasd_hf.masks.architectures import model_config
 from viasd_hf.models.zoo import ZOO, zoo_revision
 from viasd_hf.models.quantization.drafting import DraftingAcceptance, drafting_throughput
-from viasd_hf.models.machine import LIBRARIES, cpu_identity, library_version, native_fp16, read_record, record_path, write_record
+from viasd_hf.models.machine import machine_key, native_fp16, read_record, record_path, write_record
 from viasd_hf.models.quantization.measure import Measurement, MeasureOptions, measure, measure_in_memory
 from viasd_hf.models.quantization.schemes import ALIASES, AUTO, BASELINE, FORMS, SCHEMES, UNQUANTIZED, Scheme, get_scheme
 
@@ -150,8 +150,7 @@ def cache_key(subject: str | nn.Module, schemes: Sequence[str], options: Measure
         "format": CACHE_FORMAT,
         "model": _model_identity(subject),
         "schemes": list(schemes),
-        "cpu": cpu_identity(),
-        "versions": {p: library_version(p) for p in LIBRARIES},
+        **machine_key(),
         "options": asdict(options),
     }
 
