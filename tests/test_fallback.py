@@ -135,6 +135,9 @@ def test_the_advice_says_what_to_do_where_bf16_is_emulated(monkeypatch):
     model = tiny_causal_lm("llama", seed=0, dtype=torch.bfloat16)
     monkeypatch.setattr("viasd_hf.control.speculation_switch.native_bf16", lambda: False)
     assert "load the target in float32" in fallback_advice(model, 4.6)
+    assert "load the target in float32" in fallback_advice(model, None)
+    cheap_verify = fallback_advice(model, 1.1)  # verifying costs little: the drafter, not bf16, is the trouble
+    assert "emulated" not in cheap_verify and "1.1x a one-token pass" in cheap_verify and "drafter" in cheap_verify
 
 
 def test_plain_fallback_off_speculates_on_every_block(pair, prompt_ids, single_thread):
