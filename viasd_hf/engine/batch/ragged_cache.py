@@ -1,0 +1,146 @@
+"""One rectangular KV cache per model for a whole batch, each row ragged inside it.
+
+The scheme:
+
+- **One cache, one mask.** Each model (the target; the assistant drafter) has one ``DynamicCache``
+  whose layers hold ``[rows, heads, columns, dim]``, and a 2D mask ``[rows, columns]``: 1 where the
+  column holds a token of that row's sequence, 0 where it holds nothing of it (a *hole*): the row's
+  left padding, a draft it rejected, or a column it did not need in a pass (rows feed different
+  numbers of tokens, so a pass's feed is right-padded per row).
+- **Positions from the mask.** A token's position id is the number of its row's tokens before it
+  (``cumsum − 1``), so holes shift nothing: to the model each row is one contiguous sequence, as in
+  ``generate``'s batched decoding of left-padded prompts.
+- **Ragged acceptance.** After a pass each row keeps its own number of the tokens it fed
+  (``forget_last``): the rest become holes, and columns no row holds any more are cropped off the end.
+- **Compaction.** When the columns a compaction would free (all columns but the longest row's
+  token count) pass ``COMPACT_SHARE`` of the cache, every layer is gathered so that each row's tokens
+  are contiguous and right-aligned: left-padded again, without holes.
+- **Rows leave.** A finished row is index-selected out of every layer and the mask (``select``).
+
+Why this scheme: transformers builds attention masks from any 2D key mask (``masking_utils``: causal
+by column, padding by the mask), so a hole costs only its column, with no kernel of our own. The
+alternative, moving every row's keys and values into place after each block, copies the whole
+cache every block; a block leaves at most a draft's length of holes per row, so holes pile up
+slowly and an occasional compaction (one copy of the cache) is far cheaper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from viasd_hf.engine.kv_cache import crop_to, new_cache, self_attention_layers
+
+COMPACT_SHARE = 0.25  # compact once the columns a compaction frees pass this share of the cache
+COMPACT_AT_LEAST = 16  # ... and at least this many: below it a gather of every layer costs more than it saves
+HOLE_TOKEN = 0  # fed in the columns a row does not need in a pass; masked out, so any token id would do
+
+
+class RaggedCache:
+    """A model's KV cache for a batch: ``mask[r, c]`` says whether column ``c`` holds a token of row ``r``."""
+
+    def __init__(self, config: PretrainedConfig, rows: int, device: torch.device) -> None:
+        self.cache = new_cache(config)
+        self.mask = torch.zeros((rows, 0), dtype=torch.long, device=device)
+        self.compactions = 0
+
+    @property
+    def columns(self) -> int:
+        return self.mask.shape[1]
+
+    def lengths(self) -> torch.Tensor:
+        """The tokens each row holds."""
+        return self.mask.sum(-1)
+
+    def hole_share(self) -> float:
+        """The share of the cache's cells that hold nothing (left padding included)."""
+        return 1.0 - float(self.mask.float().mean()) if self.columns else 0.0
+
+    def layout(self, real: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The attention mask and position ids of a pass feeding ``real.shape[1]`` columns (``real``: which of them
+        hold a token of the row) after the cache's columns."""
+        mask = torch.cat([self.mask, real.long()], dim=-1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, self.columns :]
+        return {"attention_mask": mask, "position_ids": positions}
+
+    def run(self, model: nn.Module, tokens: torch.Tensor, real: torch.Tensor, keep: int) -> torch.Tensor:
+        """Logits ``[rows, keep, vocab]`` of the last ``keep`` columns of ``tokens`` ``[rows, width]``, fed after the
+        cache's columns; the new columns stay in the cache, holding the tokens ``real`` marks."""
+        layout = self.layout(real)
+        output = model(tokens, cache=self.cache, use_cache=True, logits_to_keep=keep, **layout)
+        self.mask = layout["attention_mask"]
+        return output.logits
+
+    @contextmanager
+    def provisional(self) -> Iterator[None]:
+        """Passes inside leave nothing behind: the cache and mask are as before on exit (the slim verifier's pass)."""
+        columns, mask = self.columns, self.mask
+        try:
+            yield
+        finally:
+            crop_to(self.cache, columns)
+            self.mask = mask
+
+    def forget_last(self, counts: torch.Tensor) -> None:
+        """Row ``r``'s last ``counts[r]`` tokens become holes (rejected drafts); columns no row holds are cropped."""
+        if bool(counts.any()):
+            from_here_on = self.mask.flip(-1).cumsum(-1).flip(-1)  # the row's tokens in this column and after it
+            forgotten = (self.mask == 1) & (from_here_on <= counts[:, None])
+            self.mask = self.mask.masked_fill(forgotten, 0)
+        self.crop_empty_end()
+
+    def crop_empty_end(self) -> None:
+        """Drop the columns at the end that no row holds a token in."""
+        held = self.mask.any(0).nonzero()
+        end = int(held[-1]) + 1 if held.numel() else 0
+        if end < self.columns:
+            crop_to(self.cache, end)
+            self.mask = self.mask[:, :end]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (the rows still decoding), in that order."""
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+        self.crop_empty_end()
+
+    def compact_if_worth_it(self) -> bool:
+        """Compact when it frees ``COMPACT_SHARE`` of the columns (and ``COMPACT_AT_LEAST``); whether it did."""
+        freed = self.columns - int(self.lengths().max()) if self.columns else 0
+        if freed < max(COMPACT_AT_LEAST, COMPACT_SHARE * self.columns):
+            return False
+        self.compact()
+        return True
+
+    def compact(self) -> None:
+        """Gather each row's tokens, in order, into the last columns: the cache is left-padded again, without holes."""
+        lengths = self.lengths()
+        longest = int(lengths.max())
+        holes_first = torch.argsort(self.mask, dim=-1, stable=True)  # each row: its holes, then its tokens, in order
+        index = holes_first[:, self.columns - longest :]
+        for layer in self_attention_layers(self.cache):
+            if layer.get_seq_length():
+                layer.keys = _gathered(layer.keys, index)
+                layer.values = _gathered(layer.values, index)
+        columns = torch.arange(longest, device=self.mask.device)
+        self.mask = (columns[None, :] >= longest - lengths[:, None]).long()
+        self.compactions += 1
+
+
+def _gathered(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``states`` ``[rows, heads, columns, dim]`` at each row's ``index`` columns."""
+    return states.gather(2, index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1]))
+
+
+def right_padded(feeds: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths as one ``[rows, longest]`` tensor of token ids and the mask of the real ones."""
+    width = max(len(feed) for feed in feeds)
+    tokens = torch.full((len(feeds), width), HOLE_TOKEN, dtype=torch.long, device=device)
+    real = torch.zeros((len(feeds), width), dtype=torch.bool, device=device)
+    for row, feed in enumerate(feeds):
+        tokens[row, : len(feed)] = torch.tensor(feed, dtype=torch.long, device=device)
+        real[row, : len(feed)] = True
+    return tokens, real
