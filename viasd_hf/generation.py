@@ -93,6 +93,18 @@ def end_tokens(generation_config: GenerationConfig) -> frozenset[int]:
     return frozenset() if eos is None else frozenset(torch.as_tensor(eos).flatten().tolist())
 
 
+def prompt_lookup(
+    model: nn.Module, generation_config: GenerationConfig, logits_processor: LogitsProcessorList
+) -> PromptLookupDrafter | None:
+    """Prompt lookup copying ``prompt_lookup_num_tokens`` per draft (``None`` without it), each copy cut before a
+    token the logits processors forbid and after an end token."""
+    if not generation_config.prompt_lookup_num_tokens:
+        return None
+    vocab_size = model_config(model).get_text_config().vocab_size
+    return PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, logits_processor, vocab_size,
+                               end_tokens=end_tokens(generation_config))
+
+
 def build_drafter(
     model: nn.Module,
     config: ViaSDConfig,
@@ -109,12 +121,8 @@ def build_drafter(
     only while copying commits more per unit of cost (``hybrid_choice``). ``head``: the drafting
     model's LM head cut to a draft vocabulary.
     """
-    lookup = None
     ends = end_tokens(generation_config)
-    if generation_config.prompt_lookup_num_tokens:
-        vocab_size = model_config(model).get_text_config().vocab_size
-        lookup = PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, logits_processor, vocab_size,
-                                     end_tokens=ends)
+    lookup = prompt_lookup(model, generation_config, logits_processor)
     if assistant_model is None:
         if lookup is not None:
             return lookup

@@ -12,7 +12,7 @@ A drafter sees only the committed token ids; what it keeps between blocks is its
 """
 
 from viasd_hf.drafters.lookup import HybridDrafter, PromptLookupDrafter, model_drafter_of
-from viasd_hf.drafters.model import ATTENTION_SINK_TOKENS, AssistantDrafter, SelfDrafter
+from viasd_hf.drafters.model import ATTENTION_SINK_TOKENS, AssistantDrafter, SelfDrafter, drafted_token, kept_prefix
 from viasd_hf.drafters.protocol import Drafter, KeepDrafting, through_first_end
 
 __all__ = [
@@ -23,6 +23,8 @@ __all__ = [
     "KeepDrafting",
     "PromptLookupDrafter",
     "SelfDrafter",
+    "drafted_token",
+    "kept_prefix",
     "model_drafter_of",
     "through_first_end",
 ]

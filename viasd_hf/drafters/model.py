@@ -23,6 +23,23 @@ from viasd_hf.drafters.protocol import KeepDrafting
 ATTENTION_SINK_TOKENS = 4  # prompt tokens a windowed drafter always keeps (Xiao et al., "Efficient Streaming LMs")
 
 
+def drafted_token(scores: torch.Tensor, do_sample: bool, rng: RandomStream | None) -> tuple[int, torch.Tensor] | None:
+    """The token drafted from processed ``scores`` (``[1, vocab]``), the argmax or a sample, and the distribution it
+    was drawn from; ``None`` where the logits processors allow no token (the draft ends there)."""
+    if forbidden(scores).all():
+        return None
+    probs = scores.softmax(-1)[0]
+    return (sample(probs, rng) if do_sample else int(scores.argmax(-1))), probs
+
+
+def kept_prefix(processed: list[int], committed: list[int]) -> int:
+    """How many of the tokens a drafter's cache holds (``processed``, in order) it keeps after a block: those up to the
+    first that differs from the ``committed`` sequence, but never the newest committed token, which is fed with the
+    next draft."""
+    keep = next((i for i, (mine, theirs) in enumerate(zip(processed, committed)) if mine != theirs), len(processed))
+    return min(keep, len(committed) - 1)
+
+
 class _ModelDrafter:
     """Drafting with a causal LM, greedy or sampling from the processed distribution; it stops early once
     unsure (``confidence_threshold``, as HF assisted generation). Subclasses say which model runs on which cache.
@@ -79,11 +96,10 @@ class _ModelDrafter:
                 else:
                     logits = self._forward(feed)[-1:]
                     draft.forwards += 1
-                scores = self.logits_processor(sequence, logits.float())
-                if forbidden(scores).all():
+                chosen = drafted_token(self.logits_processor(sequence, logits.float()), self.do_sample, rng)
+                if chosen is None:
                     break
-                probs = scores.softmax(-1)[0]
-                token = sample(probs, rng) if self.do_sample else int(scores.argmax(-1))
+                token, probs = chosen
                 draft.tokens.append(token)
                 draft.probs.append(probs)
                 confidences.append(probs[token].item())
@@ -153,13 +169,7 @@ class AssistantDrafter(_ModelDrafter):
         return logits
 
     def commit(self, ids: torch.Tensor) -> None:
-        committed = self._seen(ids)[0].tolist()
-        keep = 0
-        for mine, theirs in zip(self.processed, committed):
-            if mine != theirs:
-                break
-            keep += 1
-        keep = min(keep, len(committed) - 1)  # the newest committed token is fed with the next draft
+        keep = kept_prefix(self.processed, self._seen(ids)[0].tolist())
         crop_to(self.cache, keep)
         del self.processed[keep:]
         self._opening = None

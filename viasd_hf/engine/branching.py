@@ -27,7 +27,7 @@ from torch import nn
 
 from viasd_hf.engine.kv_cache import crop_to
 
-from viasd_hf.engine.kv_cache import self_attention_layers
+from viasd_hf.engine.kv_cache import full_attention_only, self_attention_layers
 
 MIN_CHANCE = 0.1  # without a cost model: the least chance that the leaf is the full model's token worth a row
 MASK_KINDS = ("sdpa", "eager")
@@ -64,7 +64,7 @@ def can_branch(model: nn.Module, cache: object, padded: bool) -> bool:
     config = model.config
     if padded or getattr(config, "is_encoder_decoder", False) or config._attn_implementation not in MASK_KINDS:
         return False
-    return all(type(layer).__name__ == "DynamicLayer" for layer in self_attention_layers(cache))
+    return full_attention_only(cache)
 
 
 def leaf_inputs(model: nn.Module, cached: int, fed: int, leaf_at: int, device: torch.device) -> dict[str, torch.Tensor]:

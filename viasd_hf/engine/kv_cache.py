@@ -11,12 +11,12 @@ they are.
 from __future__ import annotations
 
 from transformers import Cache, DynamicCache, EncoderDecoderCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
 
 
 def new_cache(config: PretrainedConfig, prepared: Cache | None = None) -> Cache:
     """An empty cache (``generate``'s own when it prepared one) whose sliding layers can be cropped."""
-    if prepared is not None and prepared.get_seq_length() > 0:
-        raise ValueError("VIA-SD starts from the prompt; continuing from a pre-filled cache is not supported")
+    check_empty(prepared)
     if prepared is not None:
         cache = prepared
     elif getattr(config, "is_encoder_decoder", False):
@@ -29,8 +29,20 @@ def new_cache(config: PretrainedConfig, prepared: Cache | None = None) -> Cache:
     return cache
 
 
+def check_empty(prepared: Cache | None) -> None:
+    """VIA-SD starts from the prompt: ``generate``'s cache (if it prepared one) must hold nothing yet."""
+    if prepared is not None and prepared.get_seq_length() > 0:
+        raise ValueError("VIA-SD starts from the prompt; continuing from a pre-filled cache is not supported")
+
+
 def self_attention_layers(cache: Cache) -> list:
     return (cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache).layers
+
+
+def full_attention_only(cache: Cache) -> bool:
+    """Whether every self-attention layer is a plain ``DynamicLayer``: it holds every token fed, at the column it was
+    fed in (no sliding window, no fixed size), so any mask over those columns is honoured."""
+    return all(type(layer) is DynamicLayer for layer in self_attention_layers(cache))
 
 
 def layer_lengths(cache: Cache) -> list[int]:

@@ -31,7 +31,7 @@ from viasd_hf.control.tier_controller import BlockCost, measures_wall_clock
 from viasd_hf.engine.attention import fastest_attention
 from viasd_hf.engine.branching import can_branch, runner_up
 from viasd_hf.config import ViaSDConfig
-from viasd_hf.control.draft_planner import DraftPlanner, MeasuredCosts, static_costs
+from viasd_hf.control.draft_planner import DraftPlanner, MeasuredCosts, StaticCosts, static_costs
 from viasd_hf.drafters import Drafter, SelfDrafter, model_drafter_of
 from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
 from viasd_hf.control.mask_chooser import MaskChoice
@@ -97,19 +97,12 @@ class ViaSDDecoder:
         self.planner_key = planner_key(drafter_key, slim_mask, config, do_sample) if config.adaptive else None
         self.planner = None
         if config.adaptive:
-            self.planner = draft_planner(model, self.planner_key, lambda: self._draft_planner(model, drafter, config, do_sample))
+            self.planner = draft_planner(model, self.planner_key,
+                                         lambda: new_draft_planner(static_costs(model, drafter), config, do_sample))
         self.switch = self.planner.switch if self.planner is not None else None
         self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
         self.drafter_prefilled = False
         self.finished = False
-
-    @staticmethod
-    def _draft_planner(model: nn.Module, drafter: Drafter, config: ViaSDConfig, do_sample: bool) -> DraftPlanner:
-        """Draft lengths planned from measured costs where timings may steer the output, else from weight sizes."""
-        costs, switch = static_costs(model, drafter), None
-        if measures_wall_clock(config.tier_switching, config.mode == "lossless", do_sample):
-            costs, switch = MeasuredCosts(costs), SpeculationSwitch() if config.plain_fallback else None
-        return DraftPlanner(costs, longest=max(3 * config.num_draft_tokens, LONGEST_TWO_TIER_DRAFT), switch=switch)
 
     def run(self, state: DecodingState) -> DecodingState:
         """Decode from ``state`` (the prompt, an empty cache) until a stopping criterion or the length limit.
@@ -271,13 +264,9 @@ class ViaSDDecoder:
         if room <= 1:
             return Draft([], []), 0.0
         started = time.perf_counter()
-        if self.planner is None:
-            draft = self.drafter.draft(state.ids, min(self.config.num_draft_tokens, room - 1), self.rng)
-        else:
-            longest = self.planner.longest
-            if slim_may_run:
-                longest = min(3 * self.config.num_draft_tokens, self.config.max_slim_backlog - 1)
-            draft = self.drafter.draft(state.ids, min(longest, room - 1), self.rng, self.planner.keep_drafting)
+        longest = longest_draft(self.config, self.planner, slim_may_run)
+        keep_drafting = self.planner.keep_drafting if self.planner is not None else None
+        draft = self.drafter.draft(state.ids, min(longest, room - 1), self.rng, keep_drafting)
         seconds = time.perf_counter() - started
         self.stats.record_draft(draft.forwards, seconds)
         if self.planner is not None and isinstance(self.planner.costs, MeasuredCosts):
@@ -309,6 +298,25 @@ class ViaSDDecoder:
         every new token's processed scores when ``output_scores`` keeps them, else ``None``."""
         scores = tuple(state.scores) if self.keep_scores else None
         return state.length >= self.max_length or bool(self.stopping_criteria(state.ids, scores).any())
+
+
+def new_draft_planner(costs: StaticCosts, config: ViaSDConfig, do_sample: bool) -> DraftPlanner:
+    """Draft lengths planned from measured costs (starting from ``costs``, with the switch to plain decoding) where
+    timings may steer the output, else from ``costs``, the weight sizes."""
+    switch = None
+    if measures_wall_clock(config.tier_switching, config.mode == "lossless", do_sample):
+        costs, switch = MeasuredCosts(costs), SpeculationSwitch() if config.plain_fallback else None
+    return DraftPlanner(costs, longest=max(3 * config.num_draft_tokens, LONGEST_TWO_TIER_DRAFT), switch=switch)
+
+
+def longest_draft(config: ViaSDConfig, planner: DraftPlanner | None, slim_may_run: bool) -> int:
+    """A block's bound on its drafts: ``num_draft_tokens`` without a planner; with one, short enough for the slim
+    tier where it may verify the block (``3 · num_draft_tokens`` and below ``max_slim_backlog``), else the planner's."""
+    if planner is None:
+        return config.num_draft_tokens
+    if slim_may_run:
+        return min(3 * config.num_draft_tokens, config.max_slim_backlog - 1)
+    return planner.longest
 
 
 def steers_attention(config: ViaSDConfig, do_sample: bool) -> bool:

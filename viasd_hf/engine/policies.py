@@ -160,7 +160,7 @@ def two_tier(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
         state.target_cache.keep_leaf(state.length + verdict.kept, state.length + len(draft.tokens))
         return _decided_on_leaf(draft, verdict, view, tiers.rules.full(view.leaf).bonus(0))
     state.target_cache.keep(state.length + verdict.kept)
-    return _decided(draft, verdict, view, "full")
+    return decided(draft, verdict, view, "full")
 
 
 def takes_runner_up(draft: Draft, verdict: Verdict) -> bool:
@@ -178,7 +178,7 @@ def tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
     if verdict.escalated:
         probe = tiers.probed(state, draft)
         return _after_slim_pass(two_tier(tiers, state, draft), view, draft, draft, probe, escalated=True)
-    return _decided(draft, verdict, view, "slim")
+    return decided(draft, verdict, view, "slim")
 
 
 def shadow_tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
@@ -212,20 +212,48 @@ def lossless(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
     now follows, repaired or not.
     """
     view = tiers.slim.score(state, draft.tokens)
-    if not view.every_row_has_a_choice:  # a draft vocabulary the processors rule out: no repair to offer
-        return _after_slim_pass(two_tier(tiers, state, draft), view)
-    slim_target = tiers.rules.slim(view)
-    verdict = accept_prefix(draft, slim_target, tiers.rules.slim_escalates(view))
+    repair = slim_repair(tiers.rules, view, draft)
+    if repair.verdict is None:  # a draft vocabulary the processors rule out: no repair to offer
+        return after_repair(two_tier(tiers, state, draft), view, draft, repair)
+    probe = tiers.probed(state, draft)
+    return after_repair(two_tier(tiers, state, repair.verified), view, draft, repair, probe)
+
+
+@dataclass
+class SlimRepair:
+    """The slim verifier's walk over a draft in lossless mode, and the draft the full model verifies (``verified``):
+    the drafts up to the first one the slim tier would not keep, then its own token in that one's place."""
+
+    verified: Draft
+    verdict: Verdict | None  # None: a draft vocabulary left the slim tier no choice to offer, nothing was walked
+    repaired: bool = False
+
+
+def slim_repair(rules: VerificationRules, view: TierLogits, draft: Draft) -> SlimRepair:
+    """Lossless mode's slim tier on one draft (``view``: its pass over it): replace the first draft it would not
+    keep by its own token, dropping the drafts after it."""
+    if not view.every_row_has_a_choice:
+        return SlimRepair(draft, None)
+    slim_target = rules.slim(view)
+    verdict = accept_prefix(draft, slim_target, rules.slim_escalates(view))
     repaired = not verdict.escalated and verdict.kept < len(draft.tokens)
     tokens = draft.tokens[: verdict.kept] + [verdict.token] if repaired else list(draft.tokens)
-    proposals = slim_target.followed if tiers.rules.sampling else draft.probs[: len(tokens)]
-    probe = tiers.probed(state, draft)
-    verified = Draft(tokens, proposals)
-    block = two_tier(tiers, state, verified)
-    gain = repair_credit(verdict.kept, draft.tokens[verdict.kept], block.tokens) if repaired else 0
+    proposals = slim_target.followed if rules.sampling else draft.probs[: len(tokens)]
+    return SlimRepair(Draft(tokens, proposals), verdict, repaired)
+
+
+def after_repair(
+    block: BlockResult, view: TierLogits, draft: Draft, repair: SlimRepair, probe: TierLogits | None = None
+) -> BlockResult:
+    """The full model's ``block`` over ``repair.verified``, with the slim pass (``view``) over ``draft`` and its
+    repair counted in: the repaired token is credited to the slim tier where it added a token."""
+    if repair.verdict is None:
+        return _after_slim_pass(block, view)
+    kept = repair.verdict.kept
+    gain = repair_credit(kept, draft.tokens[kept], block.tokens) if repair.repaired else 0
     if gain > 0:
-        block.made_by[verdict.kept] = "slim"
-    return _after_slim_pass(block, view, draft, verified, probe, regenerated=repaired, repair_gain=gain)
+        block.made_by[kept] = "slim"
+    return _after_slim_pass(block, view, draft, repair.verified, probe, regenerated=repair.repaired, repair_gain=gain)
 
 
 def repair_credit(position: int, replaced: int, committed: list[int]) -> int:
@@ -242,8 +270,9 @@ def repair_credit(position: int, replaced: int, committed: list[int]) -> int:
     return -1 if committed[position] == replaced else 0
 
 
-def _decided(draft: Draft, verdict: Verdict, view: TierLogits, tier: str) -> BlockResult:
-    """The drafts ``verdict`` kept and then ``tier``'s own token, from ``tier``'s one pass (``view``)."""
+def decided(draft: Draft, verdict: Verdict, view: TierLogits, tier: str) -> BlockResult:
+    """The drafts ``verdict`` kept and then ``tier``'s own token, from ``tier``'s one pass (``view``); the only pass
+    of the block until ``_after_slim_pass`` counts in a slim pass before it."""
     other = "full" if tier == "slim" else "slim"
     return BlockResult(
         tokens=draft.tokens[: verdict.kept] + [verdict.token],
@@ -261,7 +290,7 @@ def _decided(draft: Draft, verdict: Verdict, view: TierLogits, tier: str) -> Blo
 def _decided_on_leaf(draft: Draft, verdict: Verdict, view: TierLogits, bonus: int) -> BlockResult:
     """The drafts kept before the runner-up, the runner-up (the full model's own choice there) and the full
     model's token after it; row ``i`` of ``rows`` still chose token ``i``."""
-    block = _decided(draft, verdict, view, "full")
+    block = decided(draft, verdict, view, "full")
     rows = TierLogits(torch.cat([view.logits[: verdict.kept + 1], view.leaf.logits]),
                       torch.cat([view.scores[: verdict.kept + 1], view.leaf.scores]), view.seconds, view.fed)
     return replace(block, tokens=block.tokens + [bonus], made_by=block.made_by[:-1] + ["drafter", "full"], rows=rows,

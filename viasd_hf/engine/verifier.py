@@ -109,13 +109,17 @@ class Verifier:
             logits, leaf_logits = logits[:keep], logits[keep:].float()
             branch = torch.cat([state.ids, state.ids.new_tensor([draft[: runner_up.position] + [runner_up.token]])], dim=-1)
             leaf = TierLogits(leaf_logits, self.logits_processor(branch, leaf_logits))
-        scores = self._processed(state.ids, draft, logits)
+        scores = processed_scores(self.logits_processor, state.ids, draft, logits)
         return TierLogits(logits.float(), scores, seconds=time.perf_counter() - started, fed=feed.shape[1], leaf=leaf)
 
-    def _processed(self, ids: torch.Tensor, draft: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Each position's scores as ``generate`` would process them after the committed ids and the drafts before it."""
-        rows = []
-        for i in range(len(draft) + 1):
-            prefix = torch.cat([ids, ids.new_tensor([draft[:i]])], dim=-1)
-            rows.append(self.logits_processor(prefix, logits[i : i + 1].float()))
-        return torch.cat(rows, dim=0)
+
+def processed_scores(
+    logits_processor: LogitsProcessorList, ids: torch.Tensor, draft: list[int], logits: torch.Tensor
+) -> torch.Tensor:
+    """Each position's scores (``logits``: ``[len(draft) + 1, vocab]``) as ``generate`` would process them after the
+    committed ``ids`` (``[1, length]``) and the drafts before it."""
+    rows = []
+    for i in range(len(draft) + 1):
+        prefix = torch.cat([ids, ids.new_tensor([draft[:i]])], dim=-1)
+        rows.append(logits_processor(prefix, logits[i : i + 1].float()))
+    return torch.cat(rows, dim=0)
