@@ -1,17 +1,207 @@
-"""Batched VIA-SD's KV cache: rows ragged inside one rectangular cache, holes masked out, compacted and selected."""
+"""Batched lossless greedy VIA-SD: every row is token-identical to that prompt's own greedy ``generate`` and to
+``generate``'s batched greedy decoding of the same padded batch; rows keep their own number of drafts per block,
+stop on their own and leave the batch; and what a batch does not support is refused with the fix."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import (
+    NEAR_TIE_REPORT,
+    VOCAB,
+    RecordingStreamer,
+    assert_stats_consistent,
+    first_near_tie,
+    near_copy,
+    tiny_causal_lm,
+    zoo,
+)
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from conftest import VOCAB, tiny_causal_lm
+from viasd_hf import RoutingMask, ViaSDConfig, ViaSDStats, enable_viasd, viasd_generate
+from viasd_hf.control.speculation_switch import SpeculationSwitch
+from viasd_hf.engine.batch import BatchViaSDStats, ragged_cache
 from viasd_hf.engine.batch.ragged_cache import RaggedCache
+
+PAD = 0
+GREEDY = {"do_sample": False, "pad_token_id": PAD}
 
 
 @pytest.fixture(autouse=True)
 def _one_thread(single_thread):
     """Tiny models run fastest on one thread."""
+
+
+@pytest.fixture(scope="module", params=[("llama", 0), ("qwen2", 3)], ids=["llama", "qwen2"])
+def pair(request):
+    kind, seed = request.param
+    target = tiny_causal_lm(kind, seed=seed)
+    enable_viasd(target)
+    return target, near_copy(target, seed=seed + 1)
+
+
+def prompts(seed: int, lengths=(11, 6, 9), repeat: bool = False) -> list[torch.Tensor]:
+    """Prompts of different lengths (so their padding differs); ``repeat``: n-grams recur, so prompt lookup copies."""
+    generator = torch.Generator().manual_seed(seed)
+    if repeat:
+        return [torch.randint(2, VOCAB, (n // 2,), generator=generator).repeat(3) for n in lengths]
+    return [torch.randint(2, VOCAB, (n,), generator=generator) for n in lengths]
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = row
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def slim_config(target, **overrides) -> ViaSDConfig:
+    """VIA-SD with its slim tier on every block (it repairs drafts before the full model verifies)."""
+    return ViaSDConfig(**{"routing_mask": RoutingMask.from_model(target, skip=[2]), "adaptive": False} | overrides)
+
+
+def batched(target, rows, config, assistant=None, max_new_tokens=24, **kwargs):
+    ids, mask = left_padded(rows)
+    return target.generate(ids, attention_mask=mask, assistant_model=assistant, viasd_config=config,
+                           max_new_tokens=max_new_tokens, viasd_check_invariants=True, return_dict_in_generate=True,
+                           **GREEDY | kwargs)
+
+
+def assert_identical_to_generate(target, rows, out, max_new_tokens=24, **kwargs) -> list[int]:
+    """Each row is its prompt's own greedy ``generate`` (then padding), and the batch is ``generate``'s batched one;
+    returns the tokens each row generated."""
+    ids, mask = left_padded(rows)
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, viasd_config=None,
+                                **GREEDY | kwargs)
+    assert torch.equal(out.sequences, reference)
+    generated = []
+    for i, row in enumerate(rows):
+        alone = target.generate(row[None], max_new_tokens=max_new_tokens, viasd_config=None, **GREEDY | kwargs)[0]
+        mine = out.sequences[i, ids.shape[1] - len(row) :]
+        assert torch.equal(mine[: len(alone)], alone), f"row {i}"
+        assert bool((mine[len(alone) :] == PAD).all()), f"row {i} is padded after it stopped"
+        generated.append(len(alone) - len(row))
+    return generated
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("drafter_kind", ["assistant", "prompt_lookup", "hybrid"])
+def test_every_row_equals_its_own_greedy_generate_and_the_batched_one(pair, seed, drafter_kind):
+    target, assistant = pair
+    rows = prompts(seed, repeat=drafter_kind != "assistant")
+    lookup = {"prompt_lookup_num_tokens": 4} if drafter_kind != "assistant" else {}
+    out = batched(target, rows, slim_config(target), assistant if drafter_kind != "prompt_lookup" else None, **lookup)
+    generated = assert_identical_to_generate(target, rows, out)
+    stats = out.viasd_stats
+    assert isinstance(stats, BatchViaSDStats) and stats.batch_size == len(rows) == len(stats.rows)
+    assert stats.drafted_tokens > 0 and stats.slim_forwards > 0, "the drafter and the slim tier ran"
+    for row, new_tokens in zip(stats.rows, generated):
+        assert_stats_consistent(row, new_tokens, "lossless", stopped_inside_block=True)
+    assert stats.new_tokens == sum(generated) and stats.decode_full_forwards == stats.blocks
+
+
+@pytest.mark.parametrize("config", ["default", "no_slim_tier", "no_fallback"])
+def test_adaptive_configs_are_lossless_too(pair, config):
+    target, assistant = pair
+    rows = prompts(7, lengths=(5, 12, 8, 10))
+    chosen = {"default": ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2])),
+              "no_slim_tier": ViaSDConfig(use_slim=False), "no_fallback": ViaSDConfig(use_slim=False, plain_fallback=False)}
+    out = batched(target, rows, chosen[config], assistant, max_new_tokens=20)
+    assert_identical_to_generate(target, rows, out, max_new_tokens=20)
+
+
+def test_plain_blocks_between_speculative_ones_change_no_token(pair, monkeypatch):
+    """Where speculation does not pay, blocks decode one token per row; the drafter, which then has not read the
+    prompts (the first block is plain here), reads what it lacks when speculation resumes."""
+    target, assistant = pair
+    monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: switch.block % 3 != 0)
+    rows = prompts(9, lengths=(6, 11, 3))
+    out = batched(target, rows, ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2])), assistant)
+    assert_identical_to_generate(target, rows, out)
+    stats = out.viasd_stats
+    assert 0 < stats.plain_blocks < stats.blocks and stats.drafted_tokens > 0 and stats.prefill_forwards == 1
+    assert max(row["plain_blocks"] for row in stats.to_dict()["rows"]) == stats.plain_blocks  # the row decoding longest
+
+
+def test_rows_stop_at_their_own_eos_and_leave_the_batch(pair):
+    target, assistant = pair
+    rows = prompts(11, lengths=(9, 6, 12))
+    ids, mask = left_padded(rows)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=24, viasd_config=None, eos_token_id=None,
+                           **GREEDY)[:, ids.shape[1] :]
+    ends = [int(free[0, 3]), int(free[1, 12])]  # row 0 ends by the 4th token; row 1 by the 13th unless row 0's comes first
+    out = batched(target, rows, slim_config(target), assistant, eos_token_id=ends)
+    assert_identical_to_generate(target, rows, out, eos_token_id=ends)
+    stats = out.viasd_stats
+    new = [row.new_tokens for row in stats.rows]
+    assert new[0] <= 4 and len(set(new)) > 1, "rows finished at different times"
+    left = {entry["row"]: entry for entry in stats.rows_left}
+    assert sorted(left) == [0, 1, 2] and left[0]["block"] < max(entry["block"] for entry in left.values())
+    assert [left[i]["new_tokens"] for i in range(3)] == new
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5])
+def test_max_new_tokens(pair, max_new_tokens):
+    target, assistant = pair
+    rows = prompts(5)
+    out = batched(target, rows, slim_config(target), assistant, max_new_tokens=max_new_tokens)
+    assert out.sequences.shape[1] == max(len(row) for row in rows) + max_new_tokens
+    assert_identical_to_generate(target, rows, out, max_new_tokens=max_new_tokens)
+
+
+def test_a_plain_tensor_without_return_dict_and_prompts_of_one_length(pair):
+    target, assistant = pair
+    ids = torch.stack(prompts(2, lengths=(8, 8, 8)))
+    out = target.generate(ids, assistant_model=assistant, viasd_config=slim_config(target), max_new_tokens=16, **GREEDY)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=16, viasd_config=None, **GREEDY))
+
+
+def test_what_only_batching_makes_true(pair):
+    """One block's rows keep different numbers of drafts, rows leave at different blocks, and the target runs fewer
+    passes than there are tokens, each over every row still decoding."""
+    target, assistant = pair
+    rows = prompts(13, lengths=(10, 7, 12, 5))
+    ids, mask = left_padded(rows)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=30, viasd_config=None, eos_token_id=None,
+                           **GREEDY)[:, ids.shape[1] :]
+    widths = []  # the rows each target pass ran over
+
+    def record(module, args, kwargs):
+        widths.append((args[0] if args else kwargs["input_ids"]).shape[0])
+
+    handle = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        out = batched(target, rows, ViaSDConfig(use_slim=False, adaptive=False, draft_confidence_threshold=None),
+                      assistant, max_new_tokens=30, eos_token_id=int(free[1, 5]))
+    finally:
+        handle.remove()
+    stats = out.viasd_stats
+    assert stats.ragged_blocks > 0
+    assert len({entry["block"] for entry in stats.rows_left}) > 1
+    assert len(widths) == stats.full_forwards < stats.new_tokens
+    assert widths[0] == len(rows) and min(widths) < len(rows), "every pass ran over the rows still decoding"
+    assert stats.decode_full_forwards == stats.blocks
+
+
+def test_compacting_the_caches_after_every_block_changes_no_token(pair, monkeypatch):
+    target, assistant = pair
+    monkeypatch.setattr(ragged_cache, "COMPACT_AT_LEAST", 0)
+    monkeypatch.setattr(ragged_cache, "COMPACT_SHARE", 0.0)
+    rows = prompts(17, lengths=(4, 13, 9))
+    out = batched(target, rows, slim_config(target), assistant, max_new_tokens=20)
+    assert_identical_to_generate(target, rows, out, max_new_tokens=20)
+    compactions = out.viasd_stats.compactions
+    assert compactions["target"] >= out.viasd_stats.blocks - 1 and compactions["drafter"] > 0
+
+
+def test_a_single_prompt_decodes_as_before(pair):
+    target, assistant = pair
+    out = target.generate(prompts(1)[0][None], assistant_model=assistant, viasd_config=slim_config(target),
+                          max_new_tokens=12, return_dict_in_generate=True, **GREEDY)
+    assert type(out.viasd_stats) is ViaSDStats
 
 
 def test_the_ragged_cache_forgets_compacts_and_selects():
@@ -31,3 +221,107 @@ def test_the_ragged_cache_forgets_compacts_and_selects():
     torch.testing.assert_close(after, before)  # the same tokens at the same positions: the same logits
     cache.select(torch.tensor([0]))
     assert cache.mask.tolist() == [[0, 0, 0, 0, 1, 1, 1]] and cache.cache.layers[0].keys.shape[0] == 1
+
+
+def word_tokenizer():
+    """A tokenizer over the tiny models' vocabulary, built offline: token ``i`` is the word ``w{i}``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", pad_token="w0", eos_token="w1")
+
+
+def test_a_pipeline_with_a_batch_size_decodes_each_batch_with_viasd():
+    from transformers import pipeline
+
+    model = tiny_causal_lm("qwen2", seed=3)
+    assistant = near_copy(model, seed=4)
+    texts = [" ".join(f"w{i}" for i in row.tolist()) for row in prompts(21, lengths=(7, 12, 4, 9))]
+    plain = pipeline("text-generation", model=model, tokenizer=word_tokenizer())
+    expected = [plain(text, max_new_tokens=12, do_sample=False) for text in texts]
+    enable_viasd(model, slim_config(model))
+    rows_per_pass = {model: [], assistant: []}
+    for module, widths in rows_per_pass.items():
+        module.register_forward_pre_hook(lambda module, args, kwargs, widths=widths: widths.append(
+            (args[0] if args else kwargs["input_ids"]).shape[0]), with_kwargs=True)
+    generator = pipeline("text-generation", model=model, tokenizer=word_tokenizer(), assistant_model=assistant)
+    assert generator(texts, batch_size=2, max_new_tokens=12, do_sample=False) == expected
+    assert max(rows_per_pass[model]) == max(rows_per_pass[assistant]) == 2, "VIA-SD drafted and verified two at once"
+
+
+# -- what a batch does not do, refused with the fix -----------------------------------------------------------------
+
+
+class AtFourteenTokens(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 14, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("request_, match", [
+    ({"viasd_config": "tiered"}, "mode='tiered'.*batch of 3.*mode='lossless'"),
+    ({"do_sample": True}, "does not sample.*do_sample=False"),
+    ({"assistant_model": None}, "self-drafter.*assistant_model=.*prompt_lookup_num_tokens"),
+    ({"streamer": RecordingStreamer()}, "RecordingStreamer only supports batch size 1"),
+    ({"do_sample": True, "num_return_sequences": 2}, "num_return_sequences=1"),
+    ({"output_scores": True}, "does not return scores.*drop output_scores"),
+    ({"output_logits": True}, "does not return logits"),
+    ({"viasd_config": "drafter_context"}, "drafter_context=None"),
+    ({"right_padded": True}, "left-padded.*padding_side='left'"),
+    ({"eos_token_id": None, "stopping_criteria": StoppingCriteriaList([AtFourteenTokens()])}, "set eos_token_id"),
+])
+def test_unsupported_requests_are_refused_with_the_fix(pair, request_, match):
+    target, assistant = pair
+    request_ = dict(request_)
+    rows = prompts(0)
+    ids, mask = left_padded(rows)
+    if request_.pop("right_padded", False):
+        ids, mask = ids.flip(-1), mask.flip(-1)
+    config = {"tiered": ViaSDConfig(mode="tiered", use_slim=False), "drafter_context": ViaSDConfig(drafter_context=8),
+              None: ViaSDConfig(use_slim=False)}[request_.pop("viasd_config", None)]
+    kwargs = {"assistant_model": assistant, "max_new_tokens": 4, "return_dict_in_generate": True} | GREEDY | request_
+    with pytest.raises(ValueError, match=match):
+        target.generate(ids, attention_mask=mask, viasd_config=config, **kwargs)
+
+
+def test_sliding_window_models_are_refused_in_a_batch():
+    target = tiny_causal_lm("gemma3_text")
+    ids, mask = left_padded(prompts(0))
+    with pytest.raises(ValueError, match="sliding-window.*once per prompt"):
+        target.generate(ids, attention_mask=mask, custom_generate=viasd_generate, prompt_lookup_num_tokens=3,
+                        viasd_config=ViaSDConfig(use_slim=False), max_new_tokens=4, **GREEDY)
+
+
+# -- real checkpoints ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_qwen_coder_pair_batched_equals_each_prompt_alone():
+    """Two code prompts of different lengths (so one is left-padded) through the Qwen2.5-Coder 1.5B ← 0.5B pair in
+    float32, with the slim tier repairing drafts: each batched row is what greedy ``generate`` gives that prompt alone
+    (up to a numerical near-tie of the target's), and the batch took fewer full passes than it made tokens."""
+    target, tokenizer = zoo("qwen2.5-coder-1.5b-instruct")
+    drafter, _ = zoo("qwen2.5-coder-0.5b-instruct")
+    enable_viasd(target)
+    texts = ["def reverse(s):", "def is_prime(n: int) -> bool:"]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    assert len(set(batch["attention_mask"].sum(-1).tolist())) == len(texts), "the prompts differ in length"
+    mask = RoutingMask.from_model(target, skip=[4, 8, 12], drafter_id="qwen2.5-coder-0.5b-instruct")
+    config = ViaSDConfig(routing_mask=mask, adaptive=False)
+    settings = {"max_new_tokens": 8, "do_sample": False, "return_dict_in_generate": True}
+    out = target.generate(**batch, assistant_model=drafter, viasd_config=config, **settings)
+    stats = out.viasd_stats
+    assert stats.batch_size == len(texts) and stats.slim_forwards > 0
+    assert stats.decode_full_forwards < stats.new_tokens
+    for i, text in enumerate(texts):
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        reference = target.generate(ids, viasd_config=None, output_logits=True, **settings)
+        expected = reference.sequences[0, ids.shape[1] :]
+        row = out.sequences[i, batch["input_ids"].shape[1] :][: len(expected)]
+        tie = first_near_tie(reference.logits)
+        compared = len(expected) if tie is None or torch.equal(row, expected) else tie
+        if compared < len(expected):
+            NEAR_TIE_REPORT.append(f"qwen-pair batch row {i}: compared the first {tie} of {len(expected)} tokens")
+        assert torch.equal(row[:compared], expected[:compared]), f"row {i}"

@@ -52,6 +52,8 @@ from viasd_hf.masks.resolver import resolve_mask, resolve_slim_masks
 from viasd_hf.engine.state import DecodingState, ModelInputs, TargetCache
 from viasd_hf.engine.stats import ViaSDStats
 from viasd_hf.engine.preconditions import check_supported
+from viasd_hf.engine.batch import BatchedDecoder, batch_drafter, check_batch_supported
+from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.vocabulary.head import SubsetHead
 from viasd_hf.vocabulary.lookup import resolve_vocabulary, tier_heads
 
@@ -215,6 +217,9 @@ def viasd_generate(
     drafter, viasd_streamer = _taken_from_generate(drafter, viasd_streamer)
     config = ViaSDConfig.for_call(viasd_config)
     check_supported(model, input_ids, generation_config, model_kwargs)
+    if input_ids.shape[0] > 1:
+        return generate_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, config, drafter,
+                              viasd_streamer, viasd_check_invariants, model_kwargs)
     drafter = drafter_for_call(drafter, config, bool(generation_config.do_sample))
     state = initial_state(model, input_ids, model_kwargs)
     drafting_model = drafter if drafter is not None else (None if generation_config.prompt_lookup_num_tokens else model)
@@ -253,6 +258,44 @@ def viasd_generate(
     if is_encoder_decoder(model):
         return ViaSDEncoderDecoderOutput(**outputs)
     return ViaSDDecoderOnlyOutput(**outputs)
+
+
+def generate_batch(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    config: ViaSDConfig,
+    drafter: nn.Module | None,
+    streamer: Any,
+    check_invariants: bool,
+    model_kwargs: dict[str, Any],
+) -> torch.Tensor | ViaSDDecoderOnlyOutput:
+    """``viasd_generate`` for more than one prompt: batched lossless greedy VIA-SD (``viasd_hf.engine.batch``). Rows
+    that finish early are padded with ``pad_token_id``, as ``generate`` pads them; ``viasd_stats`` holds the totals
+    and one ``ViaSDStats`` per row (``BatchViaSDStats``)."""
+    check_batch_supported(model, input_ids, generation_config, config, drafter, streamer, stopping_criteria, model_kwargs)
+    drafter = drafter_for_call(drafter, config, do_sample=False)
+    if drafter is not None:
+        check_same_vocabulary(model, drafter)
+    slim_mask = None
+    if config.use_slim:
+        slim_mask = resolve_slim_masks(config.routing_mask, model, _drafter_id(drafter))
+        slim_mask = slim_mask.default_mask if isinstance(slim_mask, MaskSet) else slim_mask
+    prompt_mask = model_kwargs.get("attention_mask")
+    prompt_mask = torch.ones_like(input_ids) if prompt_mask is None else prompt_mask
+    chosen = batch_drafter(drafter, prompt_lookup(model, generation_config, logits_processor), logits_processor,
+                           config.draft_confidence_threshold, end_tokens(generation_config), input_ids.shape[0],
+                           input_ids.device)
+    decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, logits_processor, stopping_criteria,
+                             generation_config.max_length, check_invariants)
+    rows = decoder.run(input_ids, prompt_mask)
+    pad = generation_config._pad_token_tensor
+    sequences = rows.sequences(None if pad is None else int(pad.flatten()[0]))
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return ViaSDDecoderOnlyOutput(sequences=sequences, viasd_stats=decoder.stats)
 
 
 class ViaSDGenerationMixin:

@@ -90,17 +90,15 @@ def check_drafting_options(generation_config: GenerationConfig) -> None:
 
 
 def check_prompt(model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> None:
-    """One non-empty sequence of token ids, with an attention mask (if any) of the same length."""
+    """Non-empty sequences of token ids, with an attention mask (if any) of the same length; what a batch of more
+    than one needs besides is checked by ``engine.batch.preconditions``."""
     if not is_encoder_decoder(model) and model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(
             "VIA-SD cannot use inputs_embeds: every tier (drafter, prompt lookup, slim verifier, full model) is fed "
             "token ids; pass input_ids only"
         )
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"VIA-SD decodes one sequence at a time (like HF assisted generation), got a batch of {input_ids.shape[0]}; "
-            "call generate once per prompt"
-        )
+    if input_ids.shape[0] == 0:
+        raise ValueError("VIA-SD needs at least one prompt, got a batch of 0")
     if input_ids.shape[1] == 0:
         raise ValueError("VIA-SD needs a prompt of at least one token, got empty input_ids; start from the BOS token")
     if is_encoder_decoder(model):

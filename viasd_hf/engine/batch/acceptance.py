@@ -1,0 +1,53 @@
+"""Acceptance per row: each row of a batched pass is verified on its own, by the single-sequence rules.
+
+A batched verifying pass returns logits ``[rows, columns, vocab]``. Row ``r`` fed its newest
+committed token and then its draft, so its first ``len(draft) + 1`` columns score the draft: column
+``j`` says what follows the committed tokens and ``draft[:j]``. Each row then walks its own draft
+as a lossless block of one sequence does (``policies.lossless``, whose steps these are): the slim
+verifier may repair one draft, dropping those after it (``policies.slim_repair``); the full model
+keeps the longest prefix it agrees with and adds its own token. So rows keep different numbers of
+drafts in one block (ragged acceptance), and every committed token is the full model's own choice.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList
+
+from viasd_hf.engine.accept import Draft, accept_prefix
+from viasd_hf.engine.batch.rows import Row
+from viasd_hf.engine.policies import (
+    BlockResult,
+    SlimRepair,
+    VerificationRules,
+    after_repair,
+    decided,
+)
+from viasd_hf.engine.verifier import TierLogits, processed_scores
+
+
+def row_view(logits: torch.Tensor, row: Row, draft: list[int], processor: LogitsProcessorList, seconds: float,
+             fed: int) -> TierLogits:
+    """What one row of a batched pass (``logits``: that row's ``[columns, vocab]``) says about its draft."""
+    raw = logits[: len(draft) + 1].float()
+    return TierLogits(raw, processed_scores(processor, row.ids, draft, raw), seconds=seconds, fed=fed)
+
+
+def greedy_draft(tokens: list[int]) -> Draft:
+    """A row's draft as the single-sequence rules take it: greedy, so no proposal distributions."""
+    return Draft(tokens, [None] * len(tokens))
+
+
+def full_verdict(rules: VerificationRules, view: TierLogits, draft: list[int], repair: SlimRepair | None,
+                 slim_view: TierLogits | None) -> BlockResult:
+    """The full model's verdict on one row's (repaired) draft, as the block result a single sequence would record."""
+    verified = repair.verified if repair is not None else greedy_draft(draft)
+    block = decided(verified, accept_prefix(verified, rules.full(view)), view, "full")
+    if slim_view is None or repair is None:
+        return block
+    return after_repair(block, slim_view, greedy_draft(draft), repair)
+
+
+def ragged(blocks: list[BlockResult]) -> bool:
+    """Whether the rows of one block kept different numbers of drafts."""
+    return len({block.kept for block in blocks}) > 1

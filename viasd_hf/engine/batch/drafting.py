@@ -1,0 +1,220 @@
+"""Drafters for a batch: an assistant model on a ragged cache of its own, prompt lookup per row, and the two together.
+
+Each block drafts for every row at once. The block has one length, the longest any row drafts:
+each row drafts until its own stop (its length limit, an end token, or the stop rule: the draft
+planner where there is one, else the assistant's confidence threshold, as HF assisted generation),
+and the assistant's passes go on while any row still drafts; a row that stopped feeds holes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from transformers import LogitsProcessorList
+
+from viasd_hf.drafters import (
+    KeepDrafting,
+    PromptLookupDrafter,
+    drafted_token,
+    kept_prefix,
+)
+from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
+from viasd_hf.engine.batch.rows import Row, Rows
+
+
+@dataclass
+class BatchDraft:
+    """Each row's proposed tokens, the drafter's confidence in each (``None`` for a copied draft), and the drafter's
+    batched passes."""
+
+    tokens: list[list[int]]
+    confidences: list[list[float] | None]
+    forwards: int = 0
+
+    @property
+    def longest(self) -> int:
+        return max((len(tokens) for tokens in self.tokens), default=0)
+
+
+class BatchDrafter(Protocol):
+    name: str
+
+    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+        """Read the prompts but their last tokens; the passes that took."""
+
+    def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
+        """Up to ``limits[r]`` tokens after each active row ``r``."""
+
+    def commit(self, rows: Rows) -> None:
+        """The active rows' sequences are committed: forget what was drafted off them."""
+
+    def select(self, staying: torch.Tensor) -> None:
+        """Only the rows ``staying`` go on decoding."""
+
+    def tidy(self) -> None:
+        """Compact its cache where that pays (``RaggedCache.compact_if_worth_it``)."""
+
+    @property
+    def compactions(self) -> int:
+        """How often its cache was compacted."""
+
+
+class BatchAssistant:
+    """An assistant model drafting for every row in one pass per token, on a ``RaggedCache`` of its own.
+
+    ``fed[r]`` lists the tokens of row ``r`` the cache holds, in order: its committed tokens, then the
+    drafts fed since. After a block, the drafts the row did not commit are forgotten
+    (``RaggedCache.forget_last``); the newest committed token is always fed with the next draft.
+    """
+
+    name = "assistant"
+
+    def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None,
+                 end_tokens: frozenset[int], rows: int, device: torch.device) -> None:
+        self.model = model
+        self.logits_processor = logits_processor
+        self.confidence_threshold = confidence_threshold
+        self.end_tokens = end_tokens
+        self.cache = RaggedCache(model.config, rows, device)
+        self.fed: list[list[int]] = [[] for _ in range(rows)]
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+        if input_ids.shape[1] <= 1:
+            return 0
+        self.cache.run(self.model, input_ids[:, :-1], prompt_mask[:, :-1].bool(), keep=1)
+        self.fed = [row[mask.bool()].tolist() for row, mask in zip(input_ids[:, :-1], prompt_mask[:, :-1])]
+        return 1
+
+    @torch.no_grad()
+    def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
+        """One pass per drafted token for all rows; the first also feeds what each row committed since its last."""
+        feeds = [row.tokens()[len(fed) :] for row, fed in zip(rows.active, self.fed)]
+        draft = BatchDraft([[] for _ in feeds], [[] for _ in feeds])
+        drafting = [limit > 0 for limit in limits]
+        while any(drafting):
+            tokens, real = right_padded(feeds, self.cache.mask.device)
+            logits = self.cache.run(self.model, tokens, real, keep=tokens.shape[1])
+            draft.forwards += 1
+            for fed, feed in zip(self.fed, feeds):
+                fed.extend(feed)
+            last = logits[torch.arange(len(feeds)), real.sum(-1) - 1]  # each row's newest real column
+            feeds = [[] for _ in feeds]
+            for i, row in enumerate(rows.active):
+                if drafting[i]:
+                    drafting[i] = self._next(row, last[i : i + 1], draft, i, limits[i], keep_drafting)
+                    feeds[i] = draft.tokens[i][-1:] if drafting[i] else []
+        return draft
+
+    def _next(self, row: Row, logits: torch.Tensor, draft: BatchDraft, i: int, limit: int,
+              keep_drafting: KeepDrafting | None) -> bool:
+        """Draft row ``i``'s next token from ``logits``; whether the row drafts another."""
+        chosen = drafted_token(self.logits_processor(row.extended(draft.tokens[i]), logits.float()), False, None)
+        if chosen is None:
+            return False
+        token, probs = chosen
+        draft.tokens[i].append(token)
+        draft.confidences[i].append(probs[token].item())
+        if token in self.end_tokens or len(draft.tokens[i]) >= limit:
+            return False
+        if keep_drafting is not None:
+            return keep_drafting(draft.confidences[i])
+        return self.confidence_threshold is None or draft.confidences[i][-1] >= self.confidence_threshold
+
+    def commit(self, rows: Rows) -> None:
+        forget = []
+        for row, fed in zip(rows.active, self.fed):
+            keep = kept_prefix(fed, row.tokens())
+            forget.append(len(fed) - keep)
+            del fed[keep:]
+        self.cache.forget_last(torch.tensor(forget, device=self.cache.mask.device))
+
+    def select(self, staying: torch.Tensor) -> None:
+        self.cache.select(staying.to(self.cache.mask.device))
+        self.fed = [self.fed[i] for i in staying.tolist()]
+
+    def tidy(self) -> None:
+        self.cache.compact_if_worth_it()
+
+    @property
+    def compactions(self) -> int:
+        return self.cache.compactions
+
+
+class BatchLookup:
+    """Prompt lookup, row by row: each row copies from its own sequence (without its padding); nothing is cached."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, lookup: PromptLookupDrafter) -> None:
+        self.lookup = lookup
+
+    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+        return 0
+
+    def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
+        tokens = [self.lookup.draft(row.ids[:, row.padding :], limit, None).tokens if limit > 0 else []
+                  for row, limit in zip(rows.active, limits)]
+        return BatchDraft(tokens, [None] * len(tokens))
+
+    def commit(self, rows: Rows) -> None:
+        """Stateless: each block reads the rows afresh."""
+
+    def select(self, staying: torch.Tensor) -> None:
+        """Stateless: nothing to select."""
+
+    def tidy(self) -> None:
+        """No cache to compact."""
+
+    compactions = 0
+
+
+class BatchHybrid:
+    """Prompt lookup where a row's trailing n-gram occurred before, the assistant for the other rows; the assistant's
+    passes run only when some row has nothing to copy (and then feed every row what it committed)."""
+
+    name = "hybrid"
+
+    def __init__(self, lookup: BatchLookup, assistant: BatchAssistant) -> None:
+        self.lookup = lookup
+        self.assistant = assistant
+
+    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+        return self.assistant.prefill(input_ids, prompt_mask)
+
+    def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
+        copied = self.lookup.draft(rows, limits, keep_drafting)
+        model_limits = [0 if tokens else limit for tokens, limit in zip(copied.tokens, limits)]
+        if not any(model_limits):
+            return copied
+        drafted = self.assistant.draft(rows, model_limits, keep_drafting)
+        return BatchDraft([copy or own for copy, own in zip(copied.tokens, drafted.tokens)],
+                          [None if copy else own for copy, own in zip(copied.tokens, drafted.confidences)],
+                          drafted.forwards)
+
+    def commit(self, rows: Rows) -> None:
+        self.assistant.commit(rows)
+
+    def select(self, staying: torch.Tensor) -> None:
+        self.assistant.select(staying)
+
+    def tidy(self) -> None:
+        self.assistant.tidy()
+
+    @property
+    def compactions(self) -> int:
+        return self.assistant.compactions
+
+
+def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter | None,
+                  logits_processor: LogitsProcessorList, confidence_threshold: float | None, end_tokens: frozenset[int],
+                  rows: int, device: torch.device) -> BatchDrafter:
+    """The assistant model, prompt lookup (``lookup``, as a single sequence would copy), or both."""
+    batch_lookup = BatchLookup(lookup) if lookup is not None else None
+    if assistant_model is None:
+        return batch_lookup
+    assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device)
+    return assistant if batch_lookup is None else BatchHybrid(batch_lookup, assistant)

@@ -1,0 +1,285 @@
+"""The batched VIA-SD decode loop (lossless, greedy): every row of a left-padded batch decodes at once.
+
+One block, as in the paper's algorithm, for all rows together:
+
+1. ``draft``: the drafter proposes up to γ tokens for every row (``drafting``);
+2. ``repair``: where the slim tier runs, the target routed with the slim mask scores every row's
+   draft in one provisional pass, and each row's first draft it would not keep is replaced by its
+   own token (``policies.slim_repair``);
+3. ``verify``: one full pass scores every row's newest committed token and (repaired) draft; each
+   row keeps the prefix the full model agrees with and gets the full model's token after it, so rows
+   keep different numbers of tokens (``acceptance.full_verdict``; ``ragged_cache`` holds the rest as holes);
+4. ``commit``: each row's tokens one at a time, until its own stopping criteria (``rows``);
+5. ``leave``: rows that finished leave every tensor, and a cache whose holes pile up is compacted.
+
+Whether a block drafts at all is the speculation switch's choice (``control.speculation_switch``),
+on the measured tokens per second of the whole batch: where speculation does not pay, blocks decode
+one token per row in one full pass, as ``generate``'s batched greedy decoding. Whether the slim
+tier runs is the tier controller's choice, fed each block's costs summed over its rows. Draft
+lengths come from the draft planner, asked row by row (``drafting``). The planner and controller are
+remembered apart from single-sequence calls': a batched pass costs differently.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from viasd_hf.config import ViaSDConfig
+from viasd_hf.control.draft_planner import MeasuredCosts, StaticCosts
+from viasd_hf.control.memory import draft_planner, planner_key, tier_choice, tier_memory
+from viasd_hf.control.tier_controller import BlockCost
+from viasd_hf.engine.attention import fastest_attention
+from viasd_hf.engine.batch.acceptance import (
+    full_verdict,
+    greedy_draft,
+    ragged,
+    row_view,
+)
+from viasd_hf.engine.batch.drafting import BatchDraft, BatchDrafter
+from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
+from viasd_hf.engine.batch.rows import Rows
+from viasd_hf.engine.batch.stats import BatchViaSDStats
+from viasd_hf.engine.loop import longest_draft, new_draft_planner, steers_attention
+from viasd_hf.engine.policies import (
+    BlockResult,
+    SlimRepair,
+    VerificationRules,
+    slim_repair,
+)
+from viasd_hf.engine.state import CacheInvariantError
+from viasd_hf.engine.verifier import TierLogits
+from viasd_hf.masks.layer_skipping import skipping
+from viasd_hf.masks.routing_mask import RoutingMask
+
+
+class BatchedDecoder:
+    """One batched ``generate`` call's worth of lossless greedy VIA-SD; ``run`` returns the rows."""
+
+    def __init__(self, model: nn.Module, drafter: BatchDrafter, drafter_model: nn.Module | None, config: ViaSDConfig,
+                 slim_mask: RoutingMask | None, logits_processor: LogitsProcessorList,
+                 stopping_criteria: StoppingCriteriaList, max_length: int, check_invariants: bool = False) -> None:
+        self.model = model
+        self.drafter = drafter
+        self.config = config
+        self.skipped = slim_mask.skipped_layers if slim_mask is not None else None
+        self.logits_processor = logits_processor
+        self.stopping_criteria = stopping_criteria
+        self.max_length = max_length
+        self.check_invariants = check_invariants
+        self.rules = VerificationRules(config, None)
+        self.stats = BatchViaSDStats()
+        key = (drafter.name, id(drafter_model), "batch")  # a batched pass costs differently from a single sequence's
+        chooses_tier = config.adaptive and slim_mask is not None
+        self.controller = tier_choice(model, slim_mask, key, config, False) if chooses_tier else None
+        self.planner_key = planner_key(key, slim_mask, config, False) if config.adaptive else None
+        self.planner = None
+        if config.adaptive:
+            self.planner = draft_planner(model, self.planner_key, lambda: new_draft_planner(
+                StaticCosts.for_drafter(model, drafter_model, None), config, do_sample=False))
+        self.switch = self.planner.switch if self.planner is not None else None
+        # where this call's switches start in the remembered controller's and speculation switch's records
+        self._first_tier_switch = len(self.controller.switches) if self.controller is not None else 0
+        self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
+        self.rows: Rows
+        self.target: RaggedCache
+
+    def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
+        """Decode every row of ``input_ids`` (left-padded as ``prompt_mask`` says) until each one stops."""
+        started = time.perf_counter()
+        self.rows = Rows(input_ids, prompt_mask, self.stopping_criteria, self.max_length)
+        self.target = RaggedCache(self.model.config, input_ids.shape[0], input_ids.device)
+        with fastest_attention(steers_attention(self.config, False)):
+            self.prefill(input_ids, prompt_mask)
+            while len(self.rows):
+                self.step()
+                self.leave()
+        self.finish(started)
+        return self.rows
+
+    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+        """The target reads every prompt but its last token, which opens the first block; so does the drafter, unless
+        the first block decodes plainly (then its first draft reads what it lacks)."""
+        if self.speculates():
+            self.prefill_drafter(input_ids, prompt_mask)
+        if input_ids.shape[1] <= 1:
+            return
+        started = time.perf_counter()
+        self.target.run(self.model, input_ids[:, :-1], prompt_mask[:, :-1].bool(), keep=1)
+        seconds = time.perf_counter() - started
+        self.stats.record_prefill(seconds)
+        for row in self.rows.active:
+            row.stats.record_prefill(seconds)
+
+    def prefill_drafter(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+        started = time.perf_counter()
+        passes = self.drafter.prefill(input_ids, prompt_mask)
+        self.record_draft(passes, time.perf_counter() - started)
+
+    def speculates(self) -> bool:
+        """Whether the next block drafts (``SpeculationSwitch``; always, where timings may not steer)."""
+        return self.switch is None or self.switch.speculates()
+
+    def wants_slim(self) -> bool:
+        """Whether the slim tier may run in the next block (the controller's choice, where there is one)."""
+        if self.skipped is None:
+            return False
+        return self.controller.use_slim() if self.controller is not None else True
+
+    def step(self) -> None:
+        """One block for every row: draft, repair, verify, commit; or, while speculation does not pay, one plain token."""
+        if not self.speculates():
+            self.plain_step()
+            return
+        started = time.perf_counter()
+        wants_slim = self.wants_slim()
+        draft, drafting = self.draft(slim_may_run=wants_slim)
+        slim_runs = wants_slim and draft.longest > 0
+        repairs, slim_views = self.repair(draft) if slim_runs else (None, None)
+        blocks = self.verify(draft, repairs, slim_views)
+        committed = self.commit(blocks, draft)
+        self.stats.slim_forwards += int(slim_runs)
+        self.stats.slim_on_blocks += int(wants_slim)
+        self.stats.slim_off_blocks += int(not wants_slim)
+        self.learn(draft, blocks, committed, time.perf_counter() - started, drafting, wants_slim)
+
+    def plain_step(self) -> None:
+        """A block without a draft: one full pass gives one token per row, as ``generate`` decodes a batch."""
+        started = time.perf_counter()
+        empty = BatchDraft([[] for _ in range(len(self.rows))], [None] * len(self.rows))
+        committed = self.commit(self.verify(empty, None, None), empty)
+        self.stats.plain_blocks += 1
+        for row in self.rows.active:
+            row.stats.plain_blocks += 1
+        self.switch.observe(False, committed, time.perf_counter() - started)
+
+    def draft(self, slim_may_run: bool) -> tuple[BatchDraft, float]:
+        """Every row's draft, each as long as its room before ``max_length`` and the block's bound allow, and the
+        seconds it took. The bound is the planner's (shorter where the slim tier may run, as for one sequence). A
+        drafter that has not read the prompts (decoding began plainly) reads what it lacks in its first pass."""
+        longest = longest_draft(self.config, self.planner, slim_may_run)
+        limits = [max(0, min(longest, self.max_length - row.length - 1)) for row in self.rows.active]
+        started = time.perf_counter()
+        draft = self.drafter.draft(self.rows, limits, self.planner.keep_drafting if self.planner is not None else None)
+        seconds = time.perf_counter() - started
+        self.record_draft(draft.forwards, seconds)
+        if self.planner is not None and isinstance(self.planner.costs, MeasuredCosts):
+            self.planner.costs.observe_drafting(seconds, draft.forwards)
+        return draft, seconds
+
+    def repair(self, draft: BatchDraft) -> tuple[list[SlimRepair], list[TierLogits]]:
+        """The slim tier's provisional pass over every row's draft, and each row's repair."""
+        logits, seconds, fed = self.score(draft.tokens, routed=True)
+        views = [row_view(logits[i], row, draft.tokens[i], self.logits_processor, seconds, fed[i])
+                 for i, row in enumerate(self.rows.active)]
+        return [slim_repair(self.rules, view, greedy_draft(tokens)) for view, tokens in zip(views, draft.tokens)], views
+
+    def verify(self, draft: BatchDraft, repairs: list[SlimRepair] | None,
+               slim_views: list[TierLogits] | None) -> list[BlockResult]:
+        """The full pass over every row's (repaired) draft; each row's verdict. The cache keeps what each row kept."""
+        verified = [repair.verified.tokens for repair in repairs] if repairs is not None else draft.tokens
+        logits, seconds, fed = self.score(verified, routed=False)
+        blocks = []
+        for i, row in enumerate(self.rows.active):
+            view = row_view(logits[i], row, verified[i], self.logits_processor, seconds, fed[i])
+            blocks.append(full_verdict(self.rules, view, draft.tokens[i], repairs[i] if repairs else None,
+                                       slim_views[i] if slim_views else None))
+        rejected = [len(tokens) - block.kept for tokens, block in zip(verified, blocks)]
+        self.target.forget_last(torch.tensor(rejected, device=self.target.mask.device))
+        self.stats.full_forwards += 1
+        self.stats.seconds["full"] += seconds
+        if slim_views:
+            self.stats.seconds["slim"] += slim_views[0].seconds
+        return blocks
+
+    def score(self, drafts: list[list[int]], routed: bool) -> tuple[torch.Tensor, float, list[int]]:
+        """One pass of the target (``routed``: the slim verifier, provisional) over each row's newest committed token
+        and draft: the logits ``[rows, columns, vocab]``, its seconds, and the tokens each row fed."""
+        feeds = [[row.newest()] + tokens for row, tokens in zip(self.rows.active, drafts)]
+        tokens, real = right_padded(feeds, self.target.mask.device)
+        started = time.perf_counter()
+        if routed:
+            with self.target.provisional(), skipping(self.model, self.skipped):
+                logits = self.target.run(self.model, tokens, real, keep=tokens.shape[1])
+        else:
+            logits = self.target.run(self.model, tokens, real, keep=tokens.shape[1])
+        return logits, time.perf_counter() - started, [len(feed) for feed in feeds]
+
+    def commit(self, blocks: list[BlockResult], draft: BatchDraft) -> int:
+        """Each row's tokens, until its stopping criteria; the drafter forgets what was not committed. Returns the
+        tokens committed over all rows."""
+        committed = 0
+        for row, block, tokens in zip(self.rows.active, blocks, draft.tokens):
+            row.stats.record_block(block, drafted=len(tokens), catch_up=False)
+            committed += self.rows.commit(row, block.tokens, block.made_by)
+        self.stats.blocks += 1
+        self.stats.ragged_blocks += int(ragged(blocks))
+        self.drafter.commit(self.rows)
+        if self.check_invariants:
+            self.check()
+        return committed
+
+    def leave(self) -> None:
+        """Rows that finished leave the batch (every tensor, caches included); caches compact when holes pile up."""
+        if any(row.finished for row in self.rows.active):
+            staying = self.rows.staying()
+            for row in self.rows.leave():
+                self.stats.rows_left.append({"row": row.origin, "block": self.stats.blocks, "new_tokens": row.new_tokens})
+            if len(self.rows):
+                self.target.select(staying.to(self.target.mask.device))
+                self.drafter.select(staying)
+        if len(self.rows):
+            self.target.compact_if_worth_it()
+            self.drafter.tidy()
+            self.stats.peak_hole_share = max(self.stats.peak_hole_share, self.target.hole_share())
+
+    def learn(self, draft: BatchDraft, blocks: list[BlockResult], committed: int, seconds: float, drafting: float,
+              wants_slim: bool) -> None:
+        """What the block teaches the planner, the speculation switch and the tier controller."""
+        if self.planner is not None:
+            for confidences, block in zip(draft.confidences, blocks):
+                if confidences:
+                    self.planner.acceptance.observe(confidences, block.judged, block.kept)
+            if isinstance(self.planner.costs, MeasuredCosts):
+                self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
+        if self.switch is not None:
+            self.switch.observe(True, committed, seconds)
+        if self.controller is not None:
+            self.controller.observe(BlockCost(
+                slim=wants_slim, seconds=seconds, tokens=committed, slim_seconds=blocks[0].seconds["slim"],
+                full_seconds=blocks[0].seconds["full"], repair_gain=sum(block.repair_gain for block in blocks),
+                drafter_seconds=drafting if draft.forwards else 0.0, drafter_passes=draft.forwards,
+            ))
+
+    def record_draft(self, passes: int, seconds: float) -> None:
+        self.stats.record_draft(passes, seconds)
+        for row in self.rows.active:
+            row.stats.record_draft(passes, seconds)
+
+    def check(self) -> None:
+        """Each row still decoding has its committed tokens but the newest (which opens the next block) in the target's
+        cache; a row that stopped inside the block is about to leave it."""
+        going_on = [i for i, row in enumerate(self.rows.active) if not row.finished]
+        lengths = self.target.lengths().tolist()
+        held = [lengths[i] for i in going_on]
+        expected = [len(self.rows.active[i].tokens()) - 1 for i in going_on]
+        if held != expected:
+            raise CacheInvariantError(f"the target's cache holds {held} tokens per row, not {expected}")
+
+    def finish(self, started: float) -> None:
+        stats = self.stats
+        stats.total_rows([row.stats for row in self.rows.every_row()])
+        stats.compactions = {"target": self.target.compactions, "drafter": self.drafter.compactions}
+        if self.controller is not None:
+            stats.tier_switches = self.controller.switches[self._first_tier_switch :]
+            stats.slim_tier_verdict = self.controller.verdict()
+        if self.switch is not None:
+            stats.speculation_switches = self.switch.switches[self._first_fallback_switch :]
+            stats.speculation_verdict = self.switch.verdict()
+        if self.planner_key is not None:
+            tier_memory(self.model).remember_planner(self.planner_key, self.planner)
+        stats.seconds["total"] = time.perf_counter() - started
+

@@ -1,0 +1,94 @@
+"""What batched VIA-SD decodes, and, for what it does not, the reason and the fix.
+
+A batch (more than one prompt) decodes in lossless mode, greedily, from left-padded prompts (with
+their attention mask, or none when they have one length), drafted by an assistant model, prompt
+lookup, or both. ``return_dict_in_generate`` returns the sequences and ``viasd_stats``. With a
+``MaskSet`` the slim tier runs its default mask. Draft vocabularies and the runner-up leaf are left
+out: they change only speed, and lossless output is the full model's either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
+
+from viasd_hf.config import ViaSDConfig
+from viasd_hf.engine.kv_cache import check_empty, full_attention_only, new_cache
+from viasd_hf.masks.architectures import is_encoder_decoder, model_config
+
+SUPPORTED = ("batched VIA-SD decodes left-padded prompts in lossless mode, greedily (do_sample=False), drafted by an "
+             "assistant model (assistant_model=...), prompt lookup (prompt_lookup_num_tokens=...) or both")
+ONE_AT_A_TIME = "or call generate once per prompt"
+Refuse = Callable[[str, str], NoReturn]  # (what is not supported, the fix) -> raises the ValueError
+
+
+def check_batch_supported(
+    model: nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig, config: ViaSDConfig,
+    drafter: nn.Module | None, streamer: Any, stopping_criteria: StoppingCriteriaList, model_kwargs: dict[str, Any],
+) -> None:
+    """Refuse, naming what is supported and the fix, what batched VIA-SD does not do (yet)."""
+    batch = input_ids.shape[0]
+
+    def refuse(what: str, fix: str) -> NoReturn:
+        raise ValueError(f"{what}, got a batch of {batch}: {SUPPORTED}; {fix}")
+
+    if streamer is not None:  # transformers' own words (TextStreamer), the fix after them
+        name = type(getattr(streamer, "streamer", streamer)).__name__
+        raise ValueError(f"{name} only supports batch size 1: stream one prompt per generate call, or drop the streamer "
+                         f"to decode a batch of {batch}")
+    if is_encoder_decoder(model):
+        refuse("batched VIA-SD does not decode encoder-decoder models", ONE_AT_A_TIME)
+    if generation_config.do_sample:
+        refuse("batched VIA-SD does not sample yet", f"use do_sample=False, {ONE_AT_A_TIME}")
+    if config.mode != "lossless":
+        refuse(f"batched VIA-SD does not decode in mode={config.mode!r} yet", f"use mode='lossless', {ONE_AT_A_TIME}")
+    if drafter is None and not generation_config.prompt_lookup_num_tokens:
+        refuse("batched VIA-SD does not draft with the self-drafter yet",
+               f"pass assistant_model=... or prompt_lookup_num_tokens=..., {ONE_AT_A_TIME}")
+    if config.drafter_context is not None:
+        refuse(f"batched VIA-SD drafts from the whole prompt (drafter_context={config.drafter_context})",
+               f"use drafter_context=None, {ONE_AT_A_TIME}")
+    if generation_config.return_dict_in_generate:
+        for flag in ("output_scores", "output_logits"):
+            if getattr(generation_config, flag, False):
+                refuse(f"batched VIA-SD does not return {flag[len('output_'):]} ({flag}=True): its rows advance at "
+                       "their own pace, so there is no per-step score of every row as generate returns it",
+                       f"drop {flag}, {ONE_AT_A_TIME}")
+    check_empty(model_kwargs.get("cache"))
+    check_padding(input_ids, model_kwargs, refuse)
+    check_stopping(stopping_criteria, refuse)
+    for which, module in (("target", model), ("assistant model", drafter)):
+        if module is not None and not full_attention_only(new_cache(model_config(module))):
+            refuse(f"batched VIA-SD keeps rejected drafts as masked holes in one cache per model, which the {which}'s "
+                   "sliding-window (or other non-dynamic) cache layers cannot hold", ONE_AT_A_TIME)
+
+
+def check_padding(input_ids: torch.Tensor, model_kwargs: dict[str, Any], refuse: Refuse) -> None:
+    """Prompts padded on the left (each row's last token real) with at least one real token each."""
+    mask = model_kwargs.get("attention_mask")
+    if mask is None:
+        return
+    if mask.shape != input_ids.shape:
+        refuse(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}",
+               "pass one mask entry per input token")
+    if not bool(mask[:, -1].all()):
+        refuse("batched VIA-SD needs left-padded prompts, and some are padded on the right",
+               "tokenize with padding_side='left' (tokenizer.padding_side = 'left')")
+    if not bool(mask.any(-1).all()):
+        refuse("a prompt of the batch is all padding", "drop it or give it at least one token")
+
+
+def check_stopping(stopping_criteria: StoppingCriteriaList, refuse: Refuse) -> None:
+    """Rows stop one by one. ``generate`` pads a finished row only when an EOS criterion is present; without one, it
+    keeps decoding rows other criteria stopped until every row has stopped, which batched VIA-SD does not do."""
+    has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+    others = [type(c).__name__ for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, MaxTimeCriteria))]
+    if not has_eos and others:
+        refuse(f"without eos_token_id, generate keeps decoding the rows that {', '.join(others)} stopped until every "
+               "row has stopped, and batched VIA-SD stops each row on its own",
+               f"set eos_token_id (and pad_token_id), {ONE_AT_A_TIME}")

@@ -1,0 +1,104 @@
+"""The rows of a batched call: each prompt's committed sequence, whether it still decodes, and the output.
+
+A row is one prompt as ``generate`` holds it: its left padding, its prompt and the tokens committed
+after it. Rows advance at their own pace (each keeps its own number of drafts per block), and each
+stops on its own, as ``generate`` stops each row: when a stopping criterion (EOS, max length, stop
+strings) says so for that row. The output pads the rows that stopped early with ``pad_token_id``,
+as ``generate`` does once a row has finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import StoppingCriteriaList
+
+from viasd_hf.engine.stats import ViaSDStats
+
+
+@dataclass
+class Row:
+    """One prompt's sequence (``ids``, ``[1, length]``, its left padding included) and what decoding it did."""
+
+    origin: int  # its index in the batch ``generate`` was given
+    ids: torch.Tensor
+    padding: int
+    stats: ViaSDStats
+    finished: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def new_tokens(self) -> int:
+        return self.stats.new_tokens
+
+    def tokens(self) -> list[int]:
+        """The row's own sequence, without its padding: what its drafters read."""
+        return self.ids[0, self.padding :].tolist()
+
+    def newest(self) -> int:
+        return int(self.ids[0, -1])
+
+    def extended(self, tokens: list[int]) -> torch.Tensor:
+        """``ids`` followed by ``tokens`` (drafts not yet committed): what logits processors see before the next one."""
+        return torch.cat([self.ids, self.ids.new_tensor([tokens])], dim=-1) if tokens else self.ids
+
+
+class Rows:
+    """The rows still decoding (``active``, in the order of the batch's tensors) and those that finished."""
+
+    def __init__(
+        self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, stopping_criteria: StoppingCriteriaList, max_length: int
+    ) -> None:
+        padding = (prompt_mask == 0).sum(-1).tolist()
+        self.active = [Row(i, input_ids[i : i + 1], padding[i], ViaSDStats()) for i in range(input_ids.shape[0])]
+        self.finished: list[Row] = []
+        self.stopping_criteria = stopping_criteria
+        self.max_length = max_length
+
+    def __len__(self) -> int:
+        return len(self.active)
+
+    def commit(self, row: Row, tokens: list[int], made_by: list[str]) -> int:
+        """Append a block's tokens to ``row`` one at a time, stopping where its stopping criteria say; how many it took."""
+        for count, (token, maker) in enumerate(zip(tokens, made_by), start=1):
+            row.ids = torch.cat([row.ids, row.ids.new_tensor([[token]])], dim=-1)
+            row.stats.record_commit(maker)
+            if self.should_stop(row):
+                row.finished = True
+                return count
+        return len(tokens)
+
+    def should_stop(self, row: Row) -> bool:
+        """Max length or a stopping criterion, asked of this row alone, as ``generate`` asks them row by row."""
+        return row.length >= self.max_length or bool(self.stopping_criteria(row.ids, None).any())
+
+    def leave(self) -> list[Row]:
+        """Move the finished rows out of ``active``; the rows that left, in their order there."""
+        left = [row for row in self.active if row.finished]
+        self.active = [row for row in self.active if not row.finished]
+        self.finished.extend(left)
+        return left
+
+    def staying(self) -> torch.Tensor:
+        """Positions in the batch's tensors of the rows still active, before ``leave`` (for ``index_select``)."""
+        return torch.tensor([i for i, row in enumerate(self.active) if not row.finished], dtype=torch.long)
+
+    def every_row(self) -> list[Row]:
+        """All rows in the order of the batch ``generate`` was given."""
+        return sorted(self.active + self.finished, key=lambda row: row.origin)
+
+    def sequences(self, pad_token_id: int | None) -> torch.Tensor:
+        """The output: every row's sequence, the shorter ones padded at the end with ``pad_token_id``."""
+        rows = self.every_row()
+        longest = max(row.length for row in rows)
+        if pad_token_id is None and any(row.length < longest for row in rows):
+            raise ValueError("rows finished at different lengths and there is no pad_token_id to pad them with; "
+                             "set pad_token_id (generate sets it to eos_token_id when that is set)")
+        out = rows[0].ids.new_full((len(rows), longest), pad_token_id if pad_token_id is not None else 0)
+        for i, row in enumerate(rows):
+            out[i, : row.length] = row.ids[0]
+        return out
