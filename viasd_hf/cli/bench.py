@@ -43,6 +43,7 @@ from viasd_hf.cli.args import (
     load_model,
     positive_float,
     positive_int,
+    positive_ints,
     probability,
     quantize_spec,
     tokens_or_none,
@@ -101,6 +102,10 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument("--drafter-context", type=tokens_or_none, default=ViaSDConfig.drafter_context, metavar="N|none",
                         help="prompt tokens our decoders' assistant drafter reads (ViaSDConfig.drafter_context; "
                              "default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_ints, metavar="B[,B...]",
+                        help="instead of the methods: lossless VIA-SD on left-padded batches of B prompts (a list "
+                        "sweeps, e.g. 1,2,4,8) against batched greedy generate at the same B, HF assisted generation "
+                        "one prompt at a time and VIA-SD at batch size 1")
     parser.add_argument("--json", help="write every figure, the environment and the command here")
     parser.add_argument("--plots", help="folder for speedup_vs_quality.png and tier_fractions.png")
     parser.set_defaults(handler=run_bench_command)
@@ -210,8 +215,20 @@ def _method_names(text: str) -> list[str]:
     return names
 
 
+def _check_batch_args(args: argparse.Namespace) -> None:
+    """What a batch sweep cannot do, refused with the fix (batched decoding is lossless greedy only)."""
+    refused = {"--methods": args.methods != ",".join(METHODS), "--temperature": args.temperature is not None,
+               "--plots": args.plots is not None, "--quantize": bool(args.quantize)}
+    for flag, given in refused.items():
+        if given:
+            raise UsageError(f"--batch-size compares fixed methods (batched greedy, batched lossless VIA-SD, HF "
+                             f"assisted one prompt at a time) greedily on unquantised models: leave out {flag}")
+
+
 def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example], RoutingMask | None, RoutingMask | None]:
     """Everything that can be checked before the models load (minutes): methods, models, outputs, prompts, masks."""
+    if args.batch_size:
+        _check_batch_args(args)
     names = _method_names(args.methods)
     if UNQUANTIZED_REFERENCE in names and not args.quantize:
         raise UsageError(f"--methods: {UNQUANTIZED_REFERENCE} compares with a quantised pair: add --quantize, "
@@ -252,6 +269,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     mask_set = _mask_set(args) if "viasd_mask_set" in _bases(names) else None
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.batch_size:
+        return run_batch_sweep_command(args, examples, mask)
     quantized = _quantization(args)
     target, tokenizer = _load_role(args, "target", quantized)
     drafter, _ = _load_role(args, "drafter", quantized)
@@ -310,16 +329,43 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_batch_sweep_command(args: argparse.Namespace, examples: list[Example], mask: RoutingMask | None) -> int:
+    """``--batch-size``: the pair, unquantised, on batches of each size; a table and (``--json``) a report."""
+    from viasd_hf.bench.batches import batch_markdown, batch_report, run_batch_sweep
+    from viasd_hf.bench.runner import encode, machine_bandwidth_gb_s
+
+    target, tokenizer = _load_role(args, "target", {})
+    drafter, _ = _load_role(args, "drafter", {})
+    if mask is not None:
+        try:
+            mask.validate_for(target)
+        except RoutingMaskError as error:
+            raise UsageError(f"--mask: {first_line(error)}") from None
+    settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens,
+                              args.drafter_context)
+    config = ViaSDConfig(routing_mask=mask, **settings.drafting())
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = [encode(tokenizer, example.prompt) for example in examples]
+    rows = run_batch_sweep(target, drafter, config, prompts, args.batch_size, args.max_new_tokens, pad, args.repeats)
+    env = environment(machine_bandwidth_gb_s())
+    if args.json:
+        report = _run_record(args, env, examples) | {"batches": batch_report(rows)}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(batch_markdown(rows))
+    dtypes = f"target {str(target.dtype).removeprefix('torch.')}, drafter {str(drafter.dtype).removeprefix('torch.')}"
+    print(f"\n{len(prompts)} prompts · {env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {dtypes} · "
+          f"{env['date']}")
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _report(args: argparse.Namespace, summary: dict, env: dict, examples: list[Example], mask: RoutingMask | None,
             self_mask: RoutingMask | None, runs: dict, tokenizer: Any,
             quantized: dict[str, QuantizationChoice]) -> dict[str, Any]:
     """Everything needed to check or redo the run: command, environment, masks, figures and every output."""
-    options = {key: value for key, value in vars(args).items() if key not in ("handler", "command")}
-    return {
-        "command": shlex.join(["viasd", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else None,
-        "options": options,
-        "environment": env,
-        "tasks": {task: sum(e.task == task for e in examples) for task in dict.fromkeys(e.task for e in examples)},
+    return _run_record(args, env, examples) | {
         "quantization": {role: {"requested": choice.requested, "scheme": choice.scheme.name, "reason": choice.reason}
                          for role, choice in quantized.items()},
         "masks": {"routing_mask": mask.to_dict() if mask else None,
@@ -332,4 +378,15 @@ def _report(args: argparse.Namespace, summary: dict, env: dict, examples: list[E
             ]
             for name, method_runs in runs.items()
         },
+    }
+
+
+def _run_record(args: argparse.Namespace, env: dict, examples: list[Example]) -> dict[str, Any]:
+    """What every report starts with: the command and options that redo it, the machine, the prompts per task."""
+    options = {key: value for key, value in vars(args).items() if key not in ("handler", "command")}
+    return {
+        "command": shlex.join(["viasd", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else None,
+        "options": options,
+        "environment": env,
+        "tasks": {task: sum(e.task == task for e in examples) for task in dict.fromkeys(e.task for e in examples)},
     }
