@@ -11,7 +11,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 from torch import nn
-from transformers.generation.streamers import BaseStreamer
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -23,6 +22,7 @@ from transformers import (
     T5Config,
     T5ForConditionalGeneration,
 )
+from transformers.generation.streamers import BaseStreamer
 
 from viasd_hf.drafters import precision as drafter_precision
 

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from conftest import zoo
-from viasd_hf import RoutingMask, ViaSDConfig
-from viasd_hf.engine import loop as decoding
-from viasd_hf import enable_viasd
-from viasd_hf.engine import verifier
-from viasd_hf.control.tier_controller import BlockCost, RepairLedger, TierController, PricedBlocks, measures_wall_clock
-from viasd_hf.masks.architectures import decoder_layers
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.control.memory import tier_memory
+from viasd_hf.control.tier_controller import BlockCost, PricedBlocks, RepairLedger, TierController, measures_wall_clock
+from viasd_hf.engine import loop as decoding
+from viasd_hf.engine import verifier
+from viasd_hf.masks.architectures import decoder_layers
 
 
 def drive(controller: TierController, cost_on: float, cost_off: float, blocks: int) -> list[bool]:

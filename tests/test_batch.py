@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
 from conftest import (
     NEAR_TIE_REPORT,
     VOCAB,
@@ -16,8 +18,6 @@ from conftest import (
     tiny_causal_lm,
     zoo,
 )
-from transformers import StoppingCriteria, StoppingCriteriaList
-
 from viasd_hf import RoutingMask, ViaSDConfig, ViaSDStats, enable_viasd, viasd_generate
 from viasd_hf.control.speculation_switch import SpeculationSwitch
 from viasd_hf.engine.batch import BatchViaSDStats, ragged_cache

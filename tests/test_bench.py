@@ -15,8 +15,8 @@ from viasd_hf import RoutingMask
 from viasd_hf.bench.methods import METHODS, MethodName, MethodTable, Outcome
 from viasd_hf.bench.report import environment, source_revision
 from viasd_hf.bench.runner import MethodRuns, agreement, run_methods, summarise
-from viasd_hf.data.tasks import Example
 from viasd_hf.cli import main
+from viasd_hf.data.tasks import Example
 
 REPO = Path(__file__).resolve().parents[1]
 CONTRACT = ("speedup_vs_greedy", "tokens_per_s", "mean_accepted", "rejection_rate", "full_calls_per_token")

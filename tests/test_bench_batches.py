@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import near_copy, tiny_causal_lm
 
+from conftest import near_copy, tiny_causal_lm
 from viasd_hf import ViaSDConfig, generation
 from viasd_hf.bench.batches import batch_markdown, left_pad, run_batch_sweep, until_eos
 from viasd_hf.cli import main

@@ -6,15 +6,7 @@ import json
 
 import pytest
 
-from viasd_hf.bench.compare import levers_markdown
-
-from viasd_hf.bench.compare import lowest_task_ratio
-
-from viasd_hf.bench.compare import main
-
-from viasd_hf.bench.compare import median_ratio
-
-from viasd_hf.bench.compare import methods_markdown
+from viasd_hf.bench.compare import levers_markdown, lowest_task_ratio, main, median_ratio, methods_markdown
 
 
 def output(task: str, tokens: int, seconds: list[float]) -> dict:

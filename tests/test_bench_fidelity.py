@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_bench import outcome
 
 from conftest import tiny_causal_lm, tiny_t5
-from test_bench import outcome
 from viasd_hf.bench.fidelity import full_model_agreement, full_model_choices
 from viasd_hf.bench.runner import MethodRuns, summarise
 from viasd_hf.data.tasks import Example

@@ -8,11 +8,7 @@ import time
 
 import pytest
 
-from viasd_hf.bench.quality import humaneval_program
-
-from viasd_hf.bench.quality import passes_tests
-
-from viasd_hf.bench.quality import quality
+from viasd_hf.bench.quality import humaneval_program, passes_tests, quality
 from viasd_hf.data.datasets import data_dir
 from viasd_hf.data.tasks import TASK_METRICS, Example, load_examples
 

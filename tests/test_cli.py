@@ -14,11 +14,12 @@ from huggingface_hub import constants
 
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
-from viasd_hf.models import loading as models
 from viasd_hf.bench.methods import Outcome
 from viasd_hf.bench.runner import MethodRuns, run_methods, summarise
+from viasd_hf.cli import args as cli_args
+from viasd_hf.cli import main
 from viasd_hf.data.tasks import Example
-from viasd_hf.cli import args as cli_args, main
+from viasd_hf.models import loading as models
 
 SMALL = "smollm2-135m-instruct"
 

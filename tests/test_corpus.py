@@ -6,13 +6,13 @@ import argparse
 
 import pytest
 import torch
+from test_dimr import ByteTokenizer, sharpened
 
 from conftest import tiny_causal_lm
-from test_dimr import ByteTokenizer, sharpened
 from viasd_hf import RoutingMask
+from viasd_hf.calibration.corpus import FAMILIES, HELDOUT_PER_FAMILY, SPLITS, content_keys, pool, stratified_corpus
 from viasd_hf.calibration.windows import Prompt, Window, at_depths, build_windows
 from viasd_hf.cli.search import add_search_command
-from viasd_hf.calibration.corpus import FAMILIES, HELDOUT_PER_FAMILY, SPLITS, content_keys, pool, stratified_corpus
 from viasd_hf.dimr.heldout import heldout_comparison, heldout_prompts
 from viasd_hf.dimr.report import heldout_markdown
 

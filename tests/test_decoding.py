@@ -20,8 +20,8 @@ from conftest import (
     work_done,
 )
 from viasd_hf import RoutingMask, ViaSDConfig, ViaSDGenerationMixin, enable_viasd, viasd_generate
-from viasd_hf.engine.loop import LONGEST_TWO_TIER_DRAFT
 from viasd_hf.control.draft_planner import DraftPlanner
+from viasd_hf.engine.loop import LONGEST_TWO_TIER_DRAFT
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 

@@ -12,11 +12,16 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_causal_lm
-from viasd_hf import RoutingMask
+from viasd_hf import RoutingMask, dimr
 from viasd_hf.calibration import windows as calibration_module
-from viasd_hf import dimr
-from viasd_hf.masks.architectures import protected_layers
-from viasd_hf.calibration.windows import Prompt, TeacherForcedReference, Window, build_calibration, greedy_continuation, split_prompts
+from viasd_hf.calibration.windows import (
+    Prompt,
+    TeacherForcedReference,
+    Window,
+    build_calibration,
+    greedy_continuation,
+    split_prompts,
+)
 from viasd_hf.cli.search import add_search_command, search_command_line
 from viasd_hf.dimr import (
     baseline_table,
@@ -32,6 +37,7 @@ from viasd_hf.dimr import (
     top1_agreement,
     via_cost,
 )
+from viasd_hf.masks.architectures import protected_layers
 
 FAST = dict(iterations=10, bo_every=2, patience=None, progress=False, objective="kl")
 

@@ -7,8 +7,15 @@ import torch
 
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
+from viasd_hf.control.draft_planner import (
+    CONFIDENCE_EDGES,
+    AcceptanceModel,
+    DraftPlanner,
+    MeasuredCosts,
+    StaticCosts,
+    weight_bytes,
+)
 from viasd_hf.engine.accept import Draft
-from viasd_hf.control.draft_planner import CONFIDENCE_EDGES, AcceptanceModel, DraftPlanner, MeasuredCosts, StaticCosts, weight_bytes
 
 
 def drafted(planner: DraftPlanner, confidence: float, limit: int = 50) -> int:
@@ -176,8 +183,8 @@ def test_each_call_plans_with_its_own_copy_of_the_remembered_planner():
 def test_drafters_that_differ_in_model_vocabulary_or_skipped_layers_are_measured_apart():
     from transformers import LogitsProcessorList
 
-    from viasd_hf.engine.loop import drafter_identity
     from viasd_hf.drafters import AssistantDrafter
+    from viasd_hf.engine.loop import drafter_identity
     from viasd_hf.vocabulary.head import SubsetHead
 
     model, other = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=1)

@@ -6,16 +6,15 @@ from collections import Counter
 
 import pytest
 import torch
+from test_sampling import acceptance, total_variation
 from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper
 
 from conftest import VOCAB, assert_stats_consistent, tiny_t5
-from test_sampling import acceptance, total_variation
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, routed
-from viasd_hf.engine.loop import ViaSDDecoder
 from viasd_hf.drafters import SelfDrafter
-from viasd_hf.generation import initial_state
+from viasd_hf.engine.loop import ViaSDDecoder
 from viasd_hf.engine.sampling import cascade_target
-
+from viasd_hf.generation import initial_state
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

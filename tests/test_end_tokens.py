@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decoding import GREEDY, perturbed_copy, prompt
 from transformers import GenerationConfig
 
 from conftest import assert_stats_consistent, tiny_causal_lm
-from test_decoding import GREEDY, perturbed_copy, prompt
 from viasd_hf import ViaSDConfig, viasd_generate
 from viasd_hf.drafters import PromptLookupDrafter
 from viasd_hf.generation import end_tokens

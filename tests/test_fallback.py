@@ -15,8 +15,8 @@ import torch
 
 from conftest import assert_stats_consistent, tiny_causal_lm
 from viasd_hf import ViaSDConfig, enable_viasd
-from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
 from viasd_hf.control.backoff import ProbeSchedule
+from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
 
 
 def run(switch: SpeculationSwitch, blocks: int, speculative_rate: float, plain_rate: float) -> list[bool]:

@@ -14,19 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_server import FakeHub, serve
 from huggingface_hub import HfApi, constants, hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError
 
 from conftest import tiny_causal_lm
-from hub_server import FakeHub, serve
-from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig
-from viasd_hf.hub import files as hub_files
-from viasd_hf.masks import repo as mask_repo
-from viasd_hf import routed, viasd_generate
+from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, routed, viasd_generate
 from viasd_hf.cli import main
 from viasd_hf.cli.hub import add_hub_commands
-from viasd_hf.masks.resolver import resolve_mask
-from viasd_hf.masks.resolver import clear_mask_cache
+from viasd_hf.hub import files as hub_files
+from viasd_hf.masks import repo as mask_repo
+from viasd_hf.masks.resolver import clear_mask_cache, resolve_mask
 
 REPO = "viasd-test/routing-masks"
 LLAMA = ("tiny-random-llama", "self")

@@ -6,9 +6,9 @@ import torch
 
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
-from viasd_hf.engine.accept import Draft
-from viasd_hf.drafters import HybridDrafter
 from viasd_hf.control.hybrid_choice import CopyOrDraft
+from viasd_hf.drafters import HybridDrafter
+from viasd_hf.engine.accept import Draft
 
 
 def run_blocks(choice: CopyOrDraft, blocks: int, copied_commits: int, drafted_commits: int, passes: int = 4) -> list[bool]:

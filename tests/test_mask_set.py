@@ -7,21 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_server import FakeHub, serve
 from huggingface_hub import HfApi, constants
 
 from conftest import assert_stats_consistent, tiny_causal_lm
-from hub_server import FakeHub, serve
-from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig
+from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, viasd_generate
+from viasd_hf.cli import main
+from viasd_hf.control.mask_chooser import MaskChoice, MaskChooser
+from viasd_hf.control.memory import mask_chooser, tier_memory
+from viasd_hf.engine.policies import BlockResult, SlimCheck, Tiers
+from viasd_hf.engine.verifier import TierLogits
 from viasd_hf.hub import files as hub_files
 from viasd_hf.masks import repo as mask_repo
-from viasd_hf import viasd_generate
-from viasd_hf.cli import main
-from viasd_hf.masks.resolver import clear_mask_cache
-from viasd_hf.control.mask_chooser import MaskChoice, MaskChooser
-from viasd_hf.masks.resolver import resolve_slim_masks
-from viasd_hf.engine.policies import BlockResult, SlimCheck, Tiers
-from viasd_hf.control.memory import mask_chooser, tier_memory
-from viasd_hf.engine.verifier import TierLogits
+from viasd_hf.masks.resolver import clear_mask_cache, resolve_slim_masks
 
 REPO = "viasd-test/routing-masks"
 VOCAB = 8

@@ -13,15 +13,14 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB, near_copy, tiny_causal_lm
-from viasd_hf import RoutingMask, ViaSDConfig
-from viasd_hf.drafters import precision as drafter_precision
-from viasd_hf import enable_viasd, generation
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, generation
 from viasd_hf.cli import main
+from viasd_hf.drafters import precision as drafter_precision
 from viasd_hf.models.loading import load_pretrained
 from viasd_hf.models.quantization import (
     BASELINE,
-    MeasureOptions,
     Measurement,
+    MeasureOptions,
     cached_measure,
     fastest_unquantized,
     markdown_table,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decoding import GREEDY, perturbed_copy, prompt, viasd
 
 from conftest import TokensPerCall, assert_stats_consistent, tiny_causal_lm
-from test_decoding import GREEDY, perturbed_copy, prompt, viasd
 from viasd_hf import RoutingMask, ViaSDConfig
-from viasd_hf.control.tier_controller import TierController
 from viasd_hf.control.draft_planner import MeasuredCosts
+from viasd_hf.control.tier_controller import TierController
 
 
 def fresh_pair(kind: str = "llama"):

@@ -16,10 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from conftest import VOCAB, TokensPerCall, assert_stats_consistent, near_copy, tiny_causal_lm
-from viasd_hf.models.quantization import choice as quantization_choice, invariance
-from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, routed
 from viasd_hf.models import machine, quantization
-from viasd_hf import routed
 from viasd_hf.models.loading import load_pretrained
 from viasd_hf.models.quantization import (
     ALIASES,
@@ -27,14 +25,16 @@ from viasd_hf.models.quantization import (
     BASELINE,
     SCHEMES,
     Acceptance,
-    MeasureOptions,
     Measurement,
+    MeasureOptions,
     QuantizationError,
     QuantizationUnavailableError,
     choose,
     get_scheme,
+    invariance,
     resolve_quantization,
 )
+from viasd_hf.models.quantization import choice as quantization_choice
 from viasd_hf.models.quantization.invariance import Invariance, batch_invariant
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # LLM.int8() logs a cast on every call

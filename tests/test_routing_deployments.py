@@ -6,10 +6,10 @@ import logging
 
 import pytest
 import torch
+from test_routing import count_submodule_calls
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from conftest import tiny_causal_lm, without_layers
-from test_routing import count_submodule_calls
 from viasd_hf import RoutingMask, routed
 from viasd_hf.masks.architectures import decoder_layers
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import zoo, without_layers
 from test_routing import count_submodule_calls
+
+from conftest import without_layers, zoo
 from viasd_hf import MaskSet, RoutingMask, RoutingMaskError, ViaSDConfig, enable_viasd, routed
 from viasd_hf.masks.architectures import decoder_layers, protected_layers
 from viasd_hf.masks.resolver import resolve_slim_masks

@@ -13,7 +13,13 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
 import viasd_hf.engine.accept as accept
 import viasd_hf.engine.loop as decoding
@@ -21,11 +27,11 @@ import viasd_hf.engine.policies as policies
 import viasd_hf.engine.sampling as sampling
 from conftest import assert_stats_consistent, tiny_causal_lm, work_done
 from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
+from viasd_hf.drafters import AssistantDrafter, HybridDrafter, PromptLookupDrafter
 from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.loop import ViaSDDecoder
-from viasd_hf.drafters import AssistantDrafter, HybridDrafter, PromptLookupDrafter
-from viasd_hf.generation import initial_state
 from viasd_hf.engine.sampling import RandomStream, cascade_target, rejection_step
+from viasd_hf.generation import initial_state
 
 VOCAB = 8
 PROMPT = torch.tensor([[1, 5, 2, 7, 3]])

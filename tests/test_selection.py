@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+from test_dimr import FAST, ByteTokenizer, make_windows, sharpened
 
 from conftest import tiny_causal_lm
-from test_dimr import FAST, ByteTokenizer, make_windows, sharpened
 from viasd_hf import RoutingMask
+from viasd_hf.calibration.corpus import FAMILIES, stratified_corpus
 from viasd_hf.calibration.windows import Calibration, TeacherForcedReference
 from viasd_hf.cli.search import add_search_command
-from viasd_hf.calibration.corpus import FAMILIES, stratified_corpus
 from viasd_hf.dimr import (
     FAMILY_MASKS_FILENAME,
     budget,

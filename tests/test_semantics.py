@@ -12,8 +12,8 @@ from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, Stop
 import viasd_hf.generation as generation
 from conftest import VOCAB, tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
-from viasd_hf.engine.accept import Draft
 from viasd_hf.drafters import PromptLookupDrafter
+from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.decisions import forbidden
 
 pytestmark = pytest.mark.usefixtures("single_thread")

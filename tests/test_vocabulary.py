@@ -5,28 +5,29 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+
 import pytest
 import torch
+from hub_server import serve
 from huggingface_hub import constants
+from test_sampling import N, exact_two_token_distribution, next_probs, processors, total_variation
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from conftest import VOCAB, tiny_causal_lm
-from hub_server import serve
-from test_sampling import N, exact_two_token_distribution, next_probs, processors, total_variation
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
-from viasd_hf.hub import files as hub_files
-from viasd_hf.masks import repo as mask_repo
-from viasd_hf.engine.accept import Draft
-from viasd_hf.masks.architectures import config_fingerprint
-from viasd_hf.engine.loop import ViaSDDecoder
 from viasd_hf.drafters import AssistantDrafter
-from viasd_hf.generation import initial_state
+from viasd_hf.engine.accept import Draft
+from viasd_hf.engine.loop import ViaSDDecoder
 from viasd_hf.engine.policies import Tiers, VerificationRules, tiered
 from viasd_hf.engine.verifier import Verifier
+from viasd_hf.generation import initial_state
+from viasd_hf.hub import files as hub_files
+from viasd_hf.masks import repo as mask_repo
+from viasd_hf.masks.architectures import config_fingerprint
 from viasd_hf.vocabulary import DraftVocabulary, DraftVocabularyError
 from viasd_hf.vocabulary.build import choose_size, coverage, rank_tokens
 from viasd_hf.vocabulary.head import SubsetHead
 from viasd_hf.vocabulary.lookup import clear_vocabulary_cache, resolve_vocabulary
-from transformers import LogitsProcessorList, StoppingCriteriaList
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -11,10 +11,10 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from viasd_hf.validation import BOOL, INT, REAL, FieldType, check_fields, instance_of
 from viasd_hf.hub.mixin import HubMixin
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.validation import BOOL, INT, REAL, FieldType, check_fields, instance_of
 from viasd_hf.vocabulary.store import DraftVocabulary
 
 CONFIG_FILENAME = "viasd_config.json"

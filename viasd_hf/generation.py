@@ -36,24 +36,20 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from viasd_hf.masks.architectures import base_model
-
-from viasd_hf.masks.architectures import is_encoder_decoder
-
-from viasd_hf.masks.architectures import model_config
-from viasd_hf.engine.kv_cache import new_cache
 from viasd_hf.config import ViaSDConfig
-from viasd_hf.engine.loop import ViaSDDecoder
 from viasd_hf.control.draft_planner import StaticCosts
-from viasd_hf.drafters.precision import drafter_for_call
-from viasd_hf.drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
 from viasd_hf.control.hybrid_choice import CopyOrDraft
-from viasd_hf.masks.resolver import resolve_mask, resolve_slim_masks
+from viasd_hf.drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
+from viasd_hf.drafters.precision import drafter_for_call
+from viasd_hf.engine.batch import BatchedDecoder, batch_drafter, check_batch_supported
+from viasd_hf.engine.kv_cache import new_cache
+from viasd_hf.engine.loop import ViaSDDecoder
+from viasd_hf.engine.preconditions import check_supported
 from viasd_hf.engine.state import DecodingState, ModelInputs, TargetCache
 from viasd_hf.engine.stats import ViaSDStats
-from viasd_hf.engine.preconditions import check_supported
-from viasd_hf.engine.batch import BatchedDecoder, batch_drafter, check_batch_supported
+from viasd_hf.masks.architectures import base_model, is_encoder_decoder, model_config
 from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.resolver import resolve_mask, resolve_slim_masks
 from viasd_hf.vocabulary.head import SubsetHead
 from viasd_hf.vocabulary.lookup import resolve_vocabulary, tier_heads
 

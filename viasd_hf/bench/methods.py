@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from transformers.generation import candidate_generator
 
-from viasd_hf.engine.attention import fastest_attention
 from viasd_hf.config import ViaSDConfig
+from viasd_hf.engine.attention import fastest_attention
 from viasd_hf.generation import enable_viasd
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import RoutingMask

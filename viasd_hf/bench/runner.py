@@ -23,9 +23,7 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from viasd_hf.bench.methods import Method
-
-from viasd_hf.bench.methods import Outcome
+from viasd_hf.bench.methods import Method, Outcome
 from viasd_hf.bench.quality import quality
 from viasd_hf.data.tasks import Example
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from viasd_hf.calibration.windows import Calibration, Prompt, build_windows
 from viasd_hf.data.datasets import (
     cnn_dm_records,
     data_dir,
@@ -48,8 +49,14 @@ from viasd_hf.data.datasets import (
     wmt14_pairs,
     xsum_records,
 )
-from viasd_hf.data.tasks import cnn_dm_prompt, gsm8k_prompt, humaneval_prompt, nq_prompt, translation_prompt, xsum_prompt
-from viasd_hf.calibration.windows import Calibration, Prompt, build_windows
+from viasd_hf.data.tasks import (
+    cnn_dm_prompt,
+    gsm8k_prompt,
+    humaneval_prompt,
+    nq_prompt,
+    translation_prompt,
+    xsum_prompt,
+)
 
 SPLITS = ("heldout", "validation", "calibration")
 HELDOUT_PER_FAMILY = 12

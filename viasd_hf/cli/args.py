@@ -22,7 +22,6 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from viasd_hf.models import loading as models
-
 from viasd_hf.models import zoo
 from viasd_hf.models.quantization import QuantizationUnavailableError, scheme_names
 

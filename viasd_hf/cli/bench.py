@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from viasd_hf.models import zoo
 from viasd_hf.bench.methods import (
     ABLATIONS,
     HYBRID_SUFFIX,
@@ -26,12 +25,15 @@ from viasd_hf.bench.methods import (
     MethodTable,
     is_method,
 )
-from viasd_hf.bench.report import environment, markdown, mask_markdown, per_task_markdown, plots, time_markdown, verdict_lines
-from viasd_hf.data.tasks import DATASETS, Example, load_examples, load_jsonl
-from viasd_hf.config import ViaSDConfig
-from viasd_hf.masks.mask_set import MaskSet
-from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
-from viasd_hf.models.quantization import QuantizationChoice, QuantizationUnavailableError, resolve_quantization
+from viasd_hf.bench.report import (
+    environment,
+    markdown,
+    mask_markdown,
+    per_task_markdown,
+    plots,
+    time_markdown,
+    verdict_lines,
+)
 from viasd_hf.cli.args import (
     DTYPES,
     CommandError,
@@ -48,6 +50,12 @@ from viasd_hf.cli.args import (
     quantize_spec,
     tokens_or_none,
 )
+from viasd_hf.config import ViaSDConfig
+from viasd_hf.data.tasks import DATASETS, Example, load_examples, load_jsonl
+from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
+from viasd_hf.models import zoo
+from viasd_hf.models.quantization import QuantizationChoice, QuantizationUnavailableError, resolve_quantization
 
 # base decoders (MethodName.base) that draft with the drafter model / need a routing mask for the pair
 DRAFTER_METHODS = frozenset({

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from viasd_hf.bench.demo import DTYPES
-
-from viasd_hf.bench.demo import run_demo
+from viasd_hf.bench.demo import DTYPES, run_demo
 from viasd_hf.cli.args import UsageError, positive_int
 
 

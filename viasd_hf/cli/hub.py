@@ -8,12 +8,18 @@ from pathlib import Path
 from huggingface_hub import constants
 from huggingface_hub.errors import HfHubHTTPError
 
-from viasd_hf.hub.publish import push_mask, read_pushable
-from viasd_hf.hub.files import NO_ANSWER
-from viasd_hf.masks.repo import DEFAULT_MASKS_REPO, MASK_FILENAME, MASK_SET_FILENAME, MASKS_REPO_ENV, SEARCH_LOG_FILENAME
-from viasd_hf.masks.mask_set import MaskSet
-from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMaskError
 from viasd_hf.cli.args import CommandError, UsageError, check_endpoint, check_output_dir, check_repo_id, first_line
+from viasd_hf.hub.files import NO_ANSWER
+from viasd_hf.hub.publish import push_mask, read_pushable
+from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.repo import (
+    DEFAULT_MASKS_REPO,
+    MASK_FILENAME,
+    MASK_SET_FILENAME,
+    MASKS_REPO_ENV,
+    SEARCH_LOG_FILENAME,
+)
+from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMaskError
 
 
 def add_hub_commands(subparsers: argparse._SubParsersAction) -> None:

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from viasd_hf.models import zoo
-from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.models.profiling import cost_ratios, evenly_spaced_skip, forward_seconds
-from viasd_hf.models.quantization import AUTO, QuantizationChoice, markdown_table, resolve_dtype, resolve_quantization
 from viasd_hf.cli.args import (
     DTYPES,
     CommandError,
@@ -20,6 +16,10 @@ from viasd_hf.cli.args import (
     positive_ints,
     skip_fractions,
 )
+from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.models import zoo
+from viasd_hf.models.profiling import cost_ratios, evenly_spaced_skip, forward_seconds
+from viasd_hf.models.quantization import AUTO, QuantizationChoice, markdown_table, resolve_dtype, resolve_quantization
 
 
 def add_profile_command(subparsers: argparse._SubParsersAction) -> None:

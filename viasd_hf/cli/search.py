@@ -6,14 +6,14 @@ import argparse
 import shlex
 from pathlib import Path
 
-from viasd_hf.calibration.windows import build_calibration
-
-from viasd_hf.calibration.windows import read_prompts
-
-from viasd_hf.calibration.windows import spec_bench_prompts
-from viasd_hf.calibration.corpus import DEFAULT_DEPTHS, DEFAULT_SEED, DEFAULT_SIZES, corpus_calibration, stratified_corpus
-from viasd_hf.dimr import OBJECTIVES, search
-from viasd_hf.masks.repo import MODEL_FREE
+from viasd_hf.calibration.corpus import (
+    DEFAULT_DEPTHS,
+    DEFAULT_SEED,
+    DEFAULT_SIZES,
+    corpus_calibration,
+    stratified_corpus,
+)
+from viasd_hf.calibration.windows import build_calibration, read_prompts, spec_bench_prompts
 from viasd_hf.cli.args import (
     DTYPES,
     UsageError,
@@ -28,6 +28,8 @@ from viasd_hf.cli.args import (
     positive_int,
     skip_fractions,
 )
+from viasd_hf.dimr import OBJECTIVES, search
+from viasd_hf.masks.repo import MODEL_FREE
 
 CORPORA = ("spec-bench", "stratified")
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from viasd_hf.vocabulary.build import DEFAULT_SIZES
-
-from viasd_hf.vocabulary.build import build_vocabulary
-from viasd_hf.cli.args import DTYPES, check_model, check_output_dir, load_model, non_negative_int, positive_int, positive_ints
+from viasd_hf.cli.args import (
+    DTYPES,
+    check_model,
+    check_output_dir,
+    load_model,
+    non_negative_int,
+    positive_int,
+    positive_ints,
+)
+from viasd_hf.vocabulary.build import DEFAULT_SIZES, build_vocabulary
 
 
 def add_vocab_command(subparsers: argparse._SubParsersAction) -> None:

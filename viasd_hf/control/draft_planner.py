@@ -42,11 +42,11 @@ from typing import Protocol
 
 from torch import nn
 
-from viasd_hf.engine.accept import Draft
-from viasd_hf.masks.architectures import decoder_layers
-from viasd_hf.drafters import AssistantDrafter, Drafter, SelfDrafter, model_drafter_of
 from viasd_hf.control.faded import FadedMean
 from viasd_hf.control.speculation_switch import SpeculationSwitch
+from viasd_hf.drafters import AssistantDrafter, Drafter, SelfDrafter, model_drafter_of
+from viasd_hf.engine.accept import Draft
+from viasd_hf.masks.architectures import decoder_layers
 from viasd_hf.masks.routing_mask import RoutingMask
 
 PER_TOKEN_SHARE = 0.03  # b / a before it is measured: a 6-token pass costs ~1.15x a 1-token pass on CPU

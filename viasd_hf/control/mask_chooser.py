@@ -38,9 +38,9 @@ from torch import nn
 from transformers import LogitsProcessorList
 
 from viasd_hf.control.backoff import ProbeSchedule
-from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.engine.policies import BlockResult, Tiers
 from viasd_hf.engine.verifier import Verifier
+from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.vocabulary.head import SubsetHead
 
 

@@ -17,16 +17,10 @@ from collections.abc import Callable, Hashable
 
 from torch import nn
 
-from viasd_hf.control.tier_controller import FixedChoice
-
-from viasd_hf.control.tier_controller import TierController
-
-from viasd_hf.control.tier_controller import measures_wall_clock
-
-from viasd_hf.control.tier_controller import new_controller
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import DraftPlanner
 from viasd_hf.control.mask_chooser import MaskChooser
+from viasd_hf.control.tier_controller import FixedChoice, TierController, measures_wall_clock, new_controller
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import RoutingMask
 

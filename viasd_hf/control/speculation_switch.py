@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from viasd_hf.models.machine import native_bf16
 from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.faded import FadedMean
+from viasd_hf.models.machine import native_bf16
 
 
 @dataclass

@@ -42,9 +42,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.cost_ledgers import BlockCost, PricedBlocks, RepairLedger, SlimEstimate
+from viasd_hf.masks.routing_mask import RoutingMask
 
 
 @dataclass

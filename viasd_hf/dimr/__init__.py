@@ -21,9 +21,7 @@ masks per task family on the stratified corpus's held-out split; ``python -m
 viasd_hf.dimr.heldout``). ``viasd search`` is ``viasd_hf.cli.search``.
 """
 
-from viasd_hf.dimr.budget import BudgetResult
-
-from viasd_hf.dimr.budget import search_budget
+from viasd_hf.dimr.budget import BudgetResult, search_budget
 from viasd_hf.dimr.family_masks import FAMILY_MASKS_FILENAME, load_family_masks
 from viasd_hf.dimr.mask_search import search
 from viasd_hf.dimr.objectives import (

@@ -8,13 +8,13 @@ from dataclasses import asdict, dataclass
 from torch import nn
 from tqdm.auto import tqdm
 
-from viasd_hf.masks.architectures import num_decoder_layers
 from viasd_hf.calibration.windows import TeacherForcedReference
-from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.dimr.objectives import MaskScore, score_mask
 from viasd_hf.dimr.proposals import Proposals
 from viasd_hf.dimr.search_log import SearchLog
 from viasd_hf.dimr.space import skip_count, skippable_layers
+from viasd_hf.masks.architectures import num_decoder_layers
+from viasd_hf.masks.routing_mask import RoutingMask
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.dimr.selection import Selection
+from viasd_hf.masks.routing_mask import RoutingMask
 
 FAMILY_MASKS_FILENAME = "family_masks.json"
 FORMAT_VERSION = 1

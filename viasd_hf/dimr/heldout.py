@@ -25,22 +25,23 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from viasd_hf.calibration.windows import Prompt
-
-from viasd_hf.calibration.windows import TeacherForcedReference
-
-from viasd_hf.calibration.windows import Window
-
-from viasd_hf.calibration.windows import build_windows
-from viasd_hf.calibration.corpus import DEFAULT_DEPTHS, DEFAULT_SEED, HELDOUT_PER_FAMILY, Corpus, content_keys, stratified_corpus
-from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.models.loading import load_pretrained
-from viasd_hf.models.zoo import ZOO
+from viasd_hf.calibration.corpus import (
+    DEFAULT_DEPTHS,
+    DEFAULT_SEED,
+    HELDOUT_PER_FAMILY,
+    Corpus,
+    content_keys,
+    stratified_corpus,
+)
+from viasd_hf.calibration.windows import Prompt, TeacherForcedReference, Window, build_windows
 from viasd_hf.dimr.family_masks import FAMILY_MASKS_FILENAME, load_family_masks
 from viasd_hf.dimr.objectives import MaskScore, pooled, score_mask
 from viasd_hf.dimr.report import heldout_markdown, versus_baselines
 from viasd_hf.dimr.search_log import to_json_safe
 from viasd_hf.dimr.space import early_exit_mask, random_masks
+from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.models.loading import load_pretrained
+from viasd_hf.models.zoo import ZOO
 
 MASK_FILE = "routing_mask.json"
 Scores = dict[str, dict[tuple[int, ...], MaskScore]]  # family -> skipped layers -> score

@@ -14,11 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from viasd_hf.masks.architectures import model_config
-
-from viasd_hf.masks.architectures import num_decoder_layers
 from viasd_hf.calibration.windows import Calibration, TeacherForcedReference, Window, build_calibration
-from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.dimr.budget import BudgetResult
 from viasd_hf.dimr.family_masks import family_masks_record, write_family_masks
 from viasd_hf.dimr.objectives import OBJECTIVES, insertion_criterion
@@ -26,6 +22,8 @@ from viasd_hf.dimr.search_log import LOG_FILENAME, SearchLog, to_json_safe
 from viasd_hf.dimr.selection import Selection, select_on_validation
 from viasd_hf.dimr.space import skip_count
 from viasd_hf.dimr.sweep import SPEEDUP_MODEL, budget_rows, measure_slim_costs, search_budgets
+from viasd_hf.masks.architectures import model_config, num_decoder_layers
+from viasd_hf.masks.routing_mask import RoutingMask
 
 
 def search(

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from viasd_hf.masks.architectures import model_config
 from viasd_hf.calibration.windows import TeacherForcedReference, Window
+from viasd_hf.masks.architectures import model_config
 from viasd_hf.masks.routing_mask import RoutingMask
 
 OBJECTIVES = ("via", "kl", "top1")

@@ -13,12 +13,10 @@ from typing import Any
 
 from torch import nn
 
-from viasd_hf.calibration.windows import TeacherForcedReference
-
-from viasd_hf.calibration.windows import Window
-from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.calibration.windows import TeacherForcedReference, Window
 from viasd_hf.dimr.objectives import MaskScore, as_reference, score_mask
 from viasd_hf.dimr.space import early_exit_mask, random_masks
+from viasd_hf.masks.routing_mask import RoutingMask
 
 
 def compare_with_baselines(

@@ -19,11 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from viasd_hf.calibration.windows import TeacherForcedReference
-
-from viasd_hf.calibration.windows import Window
-from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.calibration.windows import TeacherForcedReference, Window
 from viasd_hf.dimr.objectives import MaskScore, pooled, window_scores
+from viasd_hf.masks.routing_mask import RoutingMask
 
 
 @dataclass(frozen=True)

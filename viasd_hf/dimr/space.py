@@ -12,9 +12,7 @@ import random
 
 from torch import nn
 
-from viasd_hf.masks.architectures import num_decoder_layers
-
-from viasd_hf.masks.architectures import protected_layers
+from viasd_hf.masks.architectures import num_decoder_layers, protected_layers
 from viasd_hf.masks.routing_mask import RoutingMask
 
 

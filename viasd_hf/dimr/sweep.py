@@ -14,10 +14,10 @@ from typing import Any
 from torch import nn
 
 from viasd_hf.calibration.windows import TeacherForcedReference
-from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.models.profiling import forward_seconds
 from viasd_hf.dimr.budget import BudgetResult, search_budget
 from viasd_hf.dimr.objectives import score_mask
+from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.models.profiling import forward_seconds
 
 SPEEDUP_MODEL = (
     "predicted speed-up of the 3-tier block over the 2-tier baseline = 1 / (c + 1 - a^γ): every block pays "

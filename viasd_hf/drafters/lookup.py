@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-
 import torch
 from transformers import LogitsProcessorList
 
-from viasd_hf.engine.accept import Draft
 from viasd_hf.control.hybrid_choice import CopyOrDraft
-from viasd_hf.engine.sampling import RandomStream
-from viasd_hf.engine.decisions import forbidden
-
 from viasd_hf.drafters.protocol import Drafter, KeepDrafting, through_first_end
+from viasd_hf.engine.accept import Draft
+from viasd_hf.engine.decisions import forbidden
+from viasd_hf.engine.sampling import RandomStream
 
 
 class PromptLookupDrafter:

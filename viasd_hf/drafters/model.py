@@ -8,17 +8,15 @@ import torch
 from torch import nn
 from transformers import LogitsProcessorList
 
+from viasd_hf.drafters.protocol import KeepDrafting
 from viasd_hf.engine.accept import Draft
+from viasd_hf.engine.decisions import forbidden
 from viasd_hf.engine.kv_cache import crop_to, new_cache
-from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.masks.layer_skipping import skipping
 from viasd_hf.engine.sampling import RandomStream, sample
 from viasd_hf.engine.state import ModelInputs, TargetCache
-from viasd_hf.engine.decisions import forbidden
+from viasd_hf.masks.layer_skipping import skipping
+from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.vocabulary.head import SubsetHead
-
-from viasd_hf.drafters.protocol import KeepDrafting
-
 
 ATTENTION_SINK_TOKENS = 4  # prompt tokens a windowed drafter always keeps (Xiao et al., "Efficient Streaming LMs")
 

@@ -10,7 +10,6 @@ import torch
 from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.sampling import RandomStream
 
-
 KeepDrafting = Callable[[list[float]], bool]  # the confidences of the tokens drafted so far -> draft another?
 
 

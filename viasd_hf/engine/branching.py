@@ -25,9 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from viasd_hf.engine.kv_cache import crop_to
-
-from viasd_hf.engine.kv_cache import full_attention_only, self_attention_layers
+from viasd_hf.engine.kv_cache import crop_to, full_attention_only, self_attention_layers
 
 MIN_CHANCE = 0.1  # without a cost model: the least chance that the leaf is the full model's token worth a row
 MASK_KINDS = ("sdpa", "eager")

@@ -26,23 +26,32 @@ from torch import nn
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from viasd_hf.engine.accept import Draft
-from viasd_hf.control.tier_controller import BlockCost, measures_wall_clock
-from viasd_hf.engine.attention import fastest_attention
-from viasd_hf.engine.branching import can_branch, runner_up
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import DraftPlanner, MeasuredCosts, StaticCosts, static_costs
-from viasd_hf.drafters import Drafter, SelfDrafter, model_drafter_of
-from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
 from viasd_hf.control.mask_chooser import MaskChoice
-from viasd_hf.masks.mask_set import MaskSet
-from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.engine.policies import BlockResult, Policy, Tiers, VerificationRules, lossless, shadow_tiered, tiered, two_tier
+from viasd_hf.control.memory import draft_planner, mask_chooser, planner_key, tier_choice, tier_memory
+from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
+from viasd_hf.control.tier_controller import BlockCost, measures_wall_clock
+from viasd_hf.drafters import Drafter, SelfDrafter, model_drafter_of
+from viasd_hf.engine.accept import Draft
+from viasd_hf.engine.attention import fastest_attention
+from viasd_hf.engine.branching import can_branch, runner_up
+from viasd_hf.engine.policies import (
+    BlockResult,
+    Policy,
+    Tiers,
+    VerificationRules,
+    lossless,
+    shadow_tiered,
+    tiered,
+    two_tier,
+)
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.state import DecodingState
 from viasd_hf.engine.stats import ViaSDStats
-from viasd_hf.control.memory import draft_planner, mask_chooser, planner_key, tier_choice, tier_memory
 from viasd_hf.engine.verifier import TierLogits, Verifier
+from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.vocabulary.head import SubsetHead
 
 LONGEST_TWO_TIER_DRAFT = 32  # drafts per block when only the full model verifies: a bound, the stop rule decides

@@ -19,25 +19,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from viasd_hf.engine.accept import CascadeSet
-
-from viasd_hf.engine.accept import Draft
-
-from viasd_hf.engine.accept import GreedyTarget
-
-from viasd_hf.engine.accept import Lenience
-
-from viasd_hf.engine.accept import SampledTarget
-
-from viasd_hf.engine.accept import Target
-
-from viasd_hf.engine.accept import Verdict
-
-from viasd_hf.engine.accept import accept_prefix
 from viasd_hf.config import ViaSDConfig
+from viasd_hf.engine.accept import (
+    CascadeSet,
+    Draft,
+    GreedyTarget,
+    Lenience,
+    SampledTarget,
+    Target,
+    Verdict,
+    accept_prefix,
+)
+from viasd_hf.engine.decisions import Decision, confidence, decide
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.state import DecodingState
-from viasd_hf.engine.decisions import Decision, confidence, decide
 from viasd_hf.engine.verifier import TierLogits, Verifier
 
 

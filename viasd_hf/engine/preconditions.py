@@ -8,11 +8,9 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from viasd_hf.masks.architectures import is_encoder_decoder
-
-from viasd_hf.masks.architectures import model_type
-from viasd_hf.validation import is_int, wrong_type
+from viasd_hf.masks.architectures import is_encoder_decoder, model_type
 from viasd_hf.masks.layer_skipping import skipped_layers_here
+from viasd_hf.validation import is_int, wrong_type
 
 
 def check_supported(

@@ -17,13 +17,11 @@ import torch
 from torch import nn
 from transformers import LogitsProcessorList
 
-from viasd_hf.engine.branching import RunnerUp
-
-from viasd_hf.engine.branching import leaf_inputs
-from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.masks.layer_skipping import skipping
-from viasd_hf.engine.state import DecodingState
+from viasd_hf.engine.branching import RunnerUp, leaf_inputs
 from viasd_hf.engine.decisions import allowed_unscaled, forbidden
+from viasd_hf.engine.state import DecodingState
+from viasd_hf.masks.layer_skipping import skipping
+from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.vocabulary.head import SubsetHead
 
 

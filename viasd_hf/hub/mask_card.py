@@ -9,11 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from viasd_hf.masks.repo import MODEL_FREE
-
-from viasd_hf.masks.repo import SEARCH_LOG_FILENAME
-
-from viasd_hf.masks.repo import SELF_DRAFT
+from viasd_hf.masks.repo import MODEL_FREE, SEARCH_LOG_FILENAME, SELF_DRAFT
 
 CARD_FILENAME = "README.md"
 CARD_TAGS = ("viasd", "speculative-decoding", "routing-mask", "layer-skipping")

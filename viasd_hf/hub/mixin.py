@@ -17,19 +17,7 @@ from typing import Any, ClassVar, TypeVar
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 
-from viasd_hf.hub.files import HUB_MISSES
-
-from viasd_hf.hub.files import Lookup
-
-from viasd_hf.hub.files import commit
-
-from viasd_hf.hub.files import describe_miss
-
-from viasd_hf.hub.files import fetch
-
-from viasd_hf.hub.files import in_folder
-
-from viasd_hf.hub.files import not_found_message
+from viasd_hf.hub.files import HUB_MISSES, Lookup, commit, describe_miss, fetch, in_folder, not_found_message
 
 T = TypeVar("T", bound="HubMixin")
 

@@ -13,10 +13,8 @@ from typing import Any
 
 from huggingface_hub import CommitInfo
 
-from viasd_hf.masks.repo import MASK_SET_FILENAME
-
-from viasd_hf.masks.repo import SEARCH_LOG_FILENAME
 from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.repo import MASK_SET_FILENAME, SEARCH_LOG_FILENAME
 from viasd_hf.masks.routing_mask import RoutingMask, check_pushable
 
 

@@ -25,9 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from viasd_hf.masks.architectures import decoder_layers
-
-from viasd_hf.masks.architectures import skipping_forward
+from viasd_hf.masks.architectures import decoder_layers, skipping_forward
 from viasd_hf.masks.routing_mask import RoutingMask
 
 _MISSING = object()

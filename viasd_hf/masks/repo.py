@@ -44,17 +44,7 @@ from typing import NamedTuple
 from huggingface_hub import HfApi
 from huggingface_hub.errors import EntryNotFoundError
 
-from viasd_hf.hub.files import HUB_MISSES
-
-from viasd_hf.hub.files import Lookup
-
-from viasd_hf.hub.files import NotFoundError
-
-from viasd_hf.hub.files import describe_miss
-
-from viasd_hf.hub.files import fetch
-
-from viasd_hf.hub.files import not_found_message
+from viasd_hf.hub.files import HUB_MISSES, Lookup, NotFoundError, describe_miss, fetch, not_found_message
 
 MASK_FILENAME = "routing_mask.json"
 MASK_SET_FILENAME = "mask_set.json"

@@ -18,17 +18,10 @@ from typing import Any
 from huggingface_hub import CommitInfo, CommitOperation, CommitOperationAdd, CommitOperationDelete, HfApi
 from torch import nn
 
-from viasd_hf.masks.architectures import config_fingerprint
-
-from viasd_hf.masks.architectures import model_config
-
-from viasd_hf.masks.architectures import num_decoder_layers
-
-from viasd_hf.masks.architectures import protected_layers
-from viasd_hf.validation import INT, JSON_OBJECT, REAL, STR, check_fields, is_int, wrong_type
 from viasd_hf.hub.files import Lookup, NotFoundError, commit
-from viasd_hf.hub.mixin import HubMixin
 from viasd_hf.hub.mask_card import CARD_FILENAME, card_row, render_model_card
+from viasd_hf.hub.mixin import HubMixin
+from viasd_hf.masks.architectures import config_fingerprint, model_config, num_decoder_layers, protected_layers
 from viasd_hf.masks.repo import (
     HOW_TO_GET_A_MASK,
     MASK_FILENAME,
@@ -39,6 +32,7 @@ from viasd_hf.masks.repo import (
     mask_set_files,
     pair_folder,
 )
+from viasd_hf.validation import INT, JSON_OBJECT, REAL, STR, check_fields, is_int, wrong_type
 from viasd_hf.version import __version__
 
 SCHEMA_VERSION = 1

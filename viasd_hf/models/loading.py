@@ -7,11 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from viasd_hf.models.quantization import QuantizationError
-
-from viasd_hf.models.quantization import resolve_dtype
-
-from viasd_hf.models.quantization import resolve_quantization
+from viasd_hf.models.quantization import QuantizationError, resolve_dtype, resolve_quantization
 from viasd_hf.models.zoo import ZOO, resolve_zoo_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

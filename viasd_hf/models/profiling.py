@@ -16,12 +16,10 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from viasd_hf.masks.architectures import num_decoder_layers
-
-from viasd_hf.masks.architectures import protected_layers
 from viasd_hf.engine.kv_cache import crop_to, new_cache
-from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.masks.architectures import num_decoder_layers, protected_layers
 from viasd_hf.masks.layer_skipping import routed
+from viasd_hf.masks.routing_mask import RoutingMask
 
 
 def _context_cache(model: nn.Module, context: torch.Tensor):

@@ -29,14 +29,10 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from viasd_hf.masks.architectures import base_model
-
-from viasd_hf.masks.architectures import config_fingerprint
-
-from viasd_hf.masks.architectures import model_config
-from viasd_hf.engine.kv_cache import crop_to, new_cache
-from viasd_hf.calibration.windows import continuations, stop_token_ids
 from viasd_hf.calibration.corpus import pool, stratified_corpus
+from viasd_hf.calibration.windows import continuations, stop_token_ids
+from viasd_hf.engine.kv_cache import crop_to, new_cache
+from viasd_hf.masks.architectures import base_model, config_fingerprint, model_config
 from viasd_hf.vocabulary.head import SubsetHead
 from viasd_hf.vocabulary.store import DraftVocabulary, lm_head_rows
 

@@ -22,11 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from viasd_hf.masks.architectures import base_model
-
-from viasd_hf.masks.architectures import is_encoder_decoder
-
-from viasd_hf.masks.architectures import model_config
+from viasd_hf.masks.architectures import base_model, is_encoder_decoder, model_config
 from viasd_hf.vocabulary.store import DraftVocabularyError
 
 _slices: WeakKeyDictionary[nn.Module, dict[tuple, tuple[torch.Tensor, torch.Tensor | None]]] = WeakKeyDictionary()

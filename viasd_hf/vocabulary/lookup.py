@@ -12,9 +12,7 @@ import os
 
 from torch import nn
 
-from viasd_hf.masks.architectures import is_encoder_decoder
-
-from viasd_hf.masks.architectures import model_config
+from viasd_hf.masks.architectures import is_encoder_decoder, model_config
 from viasd_hf.masks.repo import default_masks_repo
 from viasd_hf.models.per_model_cache import PerModelCache
 from viasd_hf.vocabulary.head import SubsetHead

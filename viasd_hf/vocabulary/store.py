@@ -20,15 +20,11 @@ from typing import Any
 from huggingface_hub import HfApi
 from torch import nn
 
-from viasd_hf.masks.architectures import base_model
-
-from viasd_hf.masks.architectures import config_fingerprint
-
-from viasd_hf.masks.architectures import model_config
-from viasd_hf.validation import INT, JSON_OBJECT, STR, FieldType, check_fields, is_int, is_real
 from viasd_hf.hub.files import Lookup, NotFoundError
 from viasd_hf.hub.mixin import HubMixin
+from viasd_hf.masks.architectures import base_model, config_fingerprint, model_config
 from viasd_hf.masks.repo import find_pair_file, pair_folder
+from viasd_hf.validation import INT, JSON_OBJECT, STR, FieldType, check_fields, is_int, is_real
 from viasd_hf.version import __version__
 
 VOCABULARY_FILENAME = "draft_vocabulary.json"

@@ -14,9 +14,7 @@ from contextlib import nullcontext
 
 import torch
 
-from viasd_hf.engine.attention import fastest_attention
-
-from viasd_hf.engine.attention import forget_kernel_choices
+from viasd_hf.engine.attention import fastest_attention, forget_kernel_choices
 from viasd_hf.engine.kv_cache import crop_to, new_cache
 from viasd_hf.models.loading import load_pretrained
 

@@ -17,12 +17,10 @@ from contextlib import contextmanager
 
 import torch
 
-from viasd_hf.bench.methods import Method
-
-from viasd_hf.bench.methods import MethodTable
-from viasd_hf.engine.kv_cache import new_cache
+from viasd_hf.bench.methods import Method, MethodTable
 from viasd_hf.bench.runner import run_methods
 from viasd_hf.data.tasks import load_examples
+from viasd_hf.engine.kv_cache import new_cache
 from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.models.loading import load_pretrained
 

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from viasd_hf.control.draft_planner import DraftPlanner
-
-from viasd_hf.control.draft_planner import FadedMean
+from viasd_hf.control.draft_planner import DraftPlanner, FadedMean
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 DATASETS = (("humaneval", 12), ("spec_bench", 2), ("xsum", 4))

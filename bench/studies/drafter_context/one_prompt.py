@@ -1,10 +1,14 @@
 """Lossless VIA-SD on one long summarisation prompt, the whole prompt against a 256-token drafter window:
     python bench/studies/drafter_context/one_prompt.py"""
-import time, torch
-from viasd_hf import ViaSDConfig, enable_viasd, RoutingMask
-from viasd_hf.models.loading import load_pretrained
-from viasd_hf.data.tasks import load_examples
+import time
+
+import torch
+
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.bench.runner import encode
+from viasd_hf.data.tasks import load_examples
+from viasd_hf.models.loading import load_pretrained
+
 torch.set_num_threads(1)
 T, D = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 tgt, tok = load_pretrained(T, dtype=torch.bfloat16); enable_viasd(tgt)

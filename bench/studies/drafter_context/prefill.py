@@ -1,8 +1,13 @@
 """Prefill seconds of the target and the drafter (bf16, and the 4-bit scheme given) on one prompt per Spec-Bench task:
     python bench/studies/drafter_context/prefill.py [bnb-4bit]"""
-import time, torch, sys
-from viasd_hf.models.loading import load_pretrained
+import sys
+import time
+
+import torch
+
 from viasd_hf.data.tasks import _spec_bench
+from viasd_hf.models.loading import load_pretrained
+
 torch.set_num_threads(1)
 ex = _spec_bench(3)
 tgt, tok = load_pretrained("qwen2.5-coder-1.5b-instruct", dtype=torch.bfloat16)

@@ -18,9 +18,7 @@ from itertools import islice
 
 import torch
 
-from viasd_hf.bench.methods import MethodSettings
-
-from viasd_hf.bench.methods import MethodTable
+from viasd_hf.bench.methods import MethodSettings, MethodTable
 from viasd_hf.bench.runner import run_methods
 from viasd_hf.data.tasks import load_examples
 from viasd_hf.masks.routing_mask import RoutingMask

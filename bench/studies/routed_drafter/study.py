@@ -20,8 +20,8 @@ import torch
 
 from viasd_hf.bench.runner import encode
 from viasd_hf.data.tasks import load_examples
-from viasd_hf.models.loading import load_pretrained
 from viasd_hf.masks.layer_skipping import skipping
+from viasd_hf.models.loading import load_pretrained
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 PROMPTS = (("humaneval", 3), ("spec_bench", 1))  # spec_bench: the first of each task, 3 kept

@@ -1,9 +1,13 @@
 """How often the drafter's first and second choices are the target's greedy token (12 held-out Spec-Bench prompts):
     python bench/studies/runner_up/top2.py"""
-import torch, collections
-from viasd_hf.models.loading import load_pretrained
-from viasd_hf.data.tasks import load_examples
+import collections
+
+import torch
+
 from viasd_hf.bench.runner import encode
+from viasd_hf.data.tasks import load_examples
+from viasd_hf.models.loading import load_pretrained
+
 torch.set_num_threads(1)
 T, D = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 tgt, tok = load_pretrained(T, dtype=torch.bfloat16)

@@ -1,6 +1,9 @@
 """Per-prompt median and ratio of total tokens/s of each method against hf_assisted, per bench JSON:
     python bench/studies/runner_up/totals.py FILE.json ..."""
-import json, sys, statistics as st
+import json
+import statistics as st
+import sys
+
 ref = "hf_assisted"
 for f in sys.argv[1:]:
     d = json.load(open(f)); o = d["outputs"]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from viasd_hf.models.machine import cpu_identity, library_version
 from viasd_hf.models.quantization.choice import (
     cache_key,
     cache_path,
@@ -16,7 +17,6 @@ from viasd_hf.models.quantization.choice import (
     markdown_table,
     unquantized_candidates,
 )
-from viasd_hf.models.machine import cpu_identity, library_version
 from viasd_hf.models.quantization.measure import MeasureOptions
 from viasd_hf.models.quantization.schemes import FORMS, SCHEMES
 

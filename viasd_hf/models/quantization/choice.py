@@ -22,14 +22,21 @@ from typing import Any
 
 from torch import nn
 
-from viasd_hf.masks.architectures import config_fingerprint
-
-from viasd_hf.masks.architectures import model_config
-from viasd_hf.models.zoo import ZOO, zoo_revision
-from viasd_hf.models.quantization.drafting import DraftingAcceptance, drafting_throughput
+from viasd_hf.masks.architectures import config_fingerprint, model_config
 from viasd_hf.models.machine import machine_key, native_fp16, read_record, record_path, write_record
+from viasd_hf.models.quantization.drafting import DraftingAcceptance, drafting_throughput
 from viasd_hf.models.quantization.measure import Measurement, MeasureOptions, measure, measure_in_memory
-from viasd_hf.models.quantization.schemes import ALIASES, AUTO, BASELINE, FORMS, SCHEMES, UNQUANTIZED, Scheme, get_scheme
+from viasd_hf.models.quantization.schemes import (
+    ALIASES,
+    AUTO,
+    BASELINE,
+    FORMS,
+    SCHEMES,
+    UNQUANTIZED,
+    Scheme,
+    get_scheme,
+)
+from viasd_hf.models.zoo import ZOO, zoo_revision
 
 CACHE_FORMAT = 3
 

@@ -20,13 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from viasd_hf.models.machine import machine_key
-
-from viasd_hf.models.machine import read_record
-
-from viasd_hf.models.machine import record_path
-
-from viasd_hf.models.machine import write_record
+from viasd_hf.models.machine import machine_key, read_record, record_path, write_record
 from viasd_hf.models.quantization.probe import probe_checkpoint, probe_mlp
 from viasd_hf.models.quantization.schemes import get_scheme, load_in
 

@@ -31,12 +31,20 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, DynamicCache, PretrainedConfig
 
-from viasd_hf.engine.kv_cache import crop_to
 from viasd_hf.calibration.windows import encode_prompt, spec_bench_prompts, split_prompts
-from viasd_hf.models.zoo import ZOO, resolve_zoo_model
+from viasd_hf.engine.kv_cache import crop_to
 from viasd_hf.models.quantization.invariance import batch_invariant
 from viasd_hf.models.quantization.probe import probe_checkpoint, probe_mlp
-from viasd_hf.models.quantization.schemes import BASELINE, FORMS, SCHEMES, UNQUANTIZED, QuantizationError, Scheme, load_in
+from viasd_hf.models.quantization.schemes import (
+    BASELINE,
+    FORMS,
+    SCHEMES,
+    UNQUANTIZED,
+    QuantizationError,
+    Scheme,
+    load_in,
+)
+from viasd_hf.models.zoo import ZOO, resolve_zoo_model
 
 Loader = Callable[[Scheme | None], nn.Module]  # the model in a form; None: the float32 reference
 
