@@ -117,7 +117,11 @@ def run(target, drafter, config, max_new_tokens, seed, prompt_lookup=False, prom
     return tokens
 
 
-N = 2500
+# Seeded draws per distribution test. With the exact sampler the two-token TV distance to the exact distribution
+# comes out at 0.055-0.06 for these models at 1,600 draws (0.045-0.05 at 2,500); a wrong residual or a wrong
+# proposal gives 0.21-0.32 (``test_the_tv_bound_catches_*``), so TV_BOUND sits well clear of both.
+N = 1600
+TV_BOUND = 0.09
 
 
 def two_token_tv(models, config, prompt_lookup=False, prompt=PROMPT, stats=None, hybrid=False) -> float:
@@ -162,7 +166,7 @@ def test_lossless_sampling_matches_the_target_distribution(models, use_slim):
     target, drafter, mask = models
     config = ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False, use_slim=use_slim, tau_accept=0.5)
     stats = []
-    assert two_token_tv(models, config, stats=stats) < 0.07
+    assert two_token_tv(models, config, stats=stats) < TV_BOUND
     p, q = next_probs(drafter, PROMPT), next_probs(target, PROMPT)
     if use_slim:
         slim, slim_unscaled = slim_next_probs(target, PROMPT, mask)
@@ -181,7 +185,7 @@ def test_lossless_sampling_with_prompt_lookup_matches_the_target(models):
     target, _, mask = models
     config = ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False, tau_accept=0.5)
     stats = []
-    assert two_token_tv(models, config, prompt_lookup=True, prompt=LOOKUP_PROMPT, stats=stats) < 0.07
+    assert two_token_tv(models, config, prompt_lookup=True, prompt=LOOKUP_PROMPT, stats=stats) < TV_BOUND
     slim, slim_unscaled = slim_next_probs(target, LOOKUP_PROMPT, mask)
     lookup = torch.zeros(VOCAB, dtype=slim.dtype)
     lookup[7] = 1.0  # a deterministic draft: all its proposal mass on the copied token
@@ -200,7 +204,7 @@ def test_hybrid_drafting_samples_the_target_distribution(models, prompt, monkeyp
     monkeypatch.setattr(AssistantDrafter, "draft", lambda self, *args: assistant_drafts.append(1) or draft(self, *args))
     config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
     stats = []
-    assert two_token_tv(models, config, prompt=prompt, stats=stats, hybrid=True) < 0.07
+    assert two_token_tv(models, config, prompt=prompt, stats=stats, hybrid=True) < TV_BOUND
     assert bool(assistant_drafts) == (prompt is PROMPT)
 
 
@@ -211,7 +215,7 @@ def test_the_tv_bound_catches_a_wrong_residual(models, monkeypatch):
 
     monkeypatch.setattr(accept, "rejection_step", resample_from_target)
     config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
-    assert two_token_tv(models, config) > 0.07
+    assert two_token_tv(models, config) > TV_BOUND
 
 
 def test_the_tv_bound_catches_a_wrong_proposal(models, monkeypatch):
@@ -222,7 +226,7 @@ def test_the_tv_bound_catches_a_wrong_proposal(models, monkeypatch):
 
     monkeypatch.setattr(decoding, "lossless", verify_against_slim)
     config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
-    assert two_token_tv(models, config) > 0.07
+    assert two_token_tv(models, config) > TV_BOUND
 
 
 def one_token_tiered_distribution(p, mixture, q, escalated) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hub_server import serve
 from huggingface_hub import constants
-from test_sampling import N, exact_two_token_distribution, next_probs, processors, total_variation
+from test_sampling import N, TV_BOUND, exact_two_token_distribution, next_probs, processors, total_variation
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from conftest import VOCAB, tiny_causal_lm
@@ -173,7 +173,7 @@ def test_lossless_sampling_over_a_vocabulary_is_exact(small_models, tiers):
         counts[tuple(tokens)] += 1
         assert decoder.stats.drafted_tokens == 1 and tokens[0] in range(SMALL)
         kept += decoder.stats.accepted_at_position[0]
-    assert total_variation(counts, exact_two_token_distribution(target, prompt), N) < 0.07
+    assert total_variation(counts, exact_two_token_distribution(target, prompt), N) < TV_BOUND
     if tiers == ("drafter",):
         scores = processors()(prompt, drafter(prompt).logits[:, -1].double().masked_fill(
             ~torch.isin(torch.arange(SMALL), torch.tensor(SUBSET)), float("-inf")))
