@@ -60,8 +60,9 @@ def test_the_sweep_decodes_every_batch_size_in_batches_of_that_size_and_matches_
         assert row.rows == 5 and row.rows_identical_to_greedy == 5  # lossless in float32: every row as greedy's
         assert 0 < row.new_tokens <= 5 * 6
         assert row.viasd_over_greedy > 0 and row.viasd_over_hf_one_at_a_time > 0 and row.viasd_over_viasd_batch_1 > 0
+        assert 0 <= row.viasd_plain_block_share <= 1 and row.viasd_verdict.startswith(("speculating", "plain decoding"))
     table = batch_markdown(rows)
-    assert table.splitlines()[2].startswith("| 2 |") and "5/5 |" in table
+    assert table.splitlines()[2].startswith("| 2 |") and "5/5 |" in table and table.splitlines()[0].endswith("blocks plain |")
 
 
 @pytest.mark.parametrize(("extra", "flag"), [
@@ -94,4 +95,5 @@ def test_bench_cli_runs_a_batch_sweep(tmp_path, capsys):
     assert [row["batch_size"] for row in data["batches"]] == [1, 2]
     assert all(row["rows"] == 3 and row["rows_identical_to_greedy"] == 3 for row in data["batches"])
     assert data["tasks"] == {"chat": 2, "qa": 1} and data["options"]["batch_size"] == [1, 2]
+    assert all(0 <= row["viasd_plain_block_share"] <= 1 for row in data["batches"])
     assert "| 2 |" in capsys.readouterr().out

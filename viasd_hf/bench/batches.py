@@ -6,7 +6,8 @@ Two references do not depend on B, so they run once, one prompt at a time: HF as
 (what a user must run today, since it refuses batches) and lossless VIA-SD on batch size 1.
 Throughput is every row's new tokens, up to and including its first EOS, over the wall time of the
 calls (prefill included); a batch's time is the median of ``repeats`` runs. Each batch size reports
-how many rows VIA-SD decoded exactly as batched greedy did.
+how many rows VIA-SD decoded exactly as batched greedy did, and how many of VIA-SD's blocks decoded
+plainly because speculation did not pay (its ``viasd_stats``), with the switch's last verdict.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tqdm.auto import tqdm
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.generation import enable_viasd
 
-Decode = Callable[[torch.Tensor, torch.Tensor], tuple[list[list[int]], float]]
+Decode = Callable[[torch.Tensor, torch.Tensor], tuple[list[list[int]], float, Any]]
 
 
 @dataclass
@@ -40,6 +41,8 @@ class BatchRow:
     viasd_over_viasd_batch_1: float | None
     rows_identical_to_greedy: int
     rows: int
+    viasd_plain_block_share: float | None = None  # VIA-SD's blocks decoded without a draft (first repeat)
+    viasd_verdict: str | None = None  # the speculation switch's verdict after the last batch
 
 
 def left_pad(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,14 +63,15 @@ def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def decoder(target: nn.Module, common: dict[str, Any], eos: set[int], **extra: Any) -> Decode:
-    """One ``generate`` call on a batch: each row's new tokens (to its EOS) and the call's seconds."""
+    """One ``generate`` call on a batch: each row's new tokens (to its EOS), the call's seconds and its
+    ``viasd_stats`` (``None`` for plain ``generate`` and HF's decoders)."""
 
-    def decode(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], float]:
+    def decode(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], float, Any]:
         started = time.perf_counter()
         out = target.generate(input_ids, attention_mask=attention_mask, **common, **extra)
         seconds = time.perf_counter() - started
-        sequences = out.sequences if hasattr(out, "sequences") else out
-        return [until_eos(row, eos) for row in sequences[:, input_ids.shape[1] :].tolist()], seconds
+        rows = [until_eos(row, eos) for row in out.sequences[:, input_ids.shape[1] :].tolist()]
+        return rows, seconds, getattr(out, "viasd_stats", None)
 
     return decode
 
@@ -127,7 +131,7 @@ def _batch_row(size: int, greedy: Decode, viasd: Decode, prompts: list[torch.Ten
     """Both batched methods over every batch of ``size``, taking turns on each batch."""
     seconds = {"greedy": 0.0, "viasd": 0.0}
     tokens = {"greedy": 0, "viasd": 0}
-    identical = 0
+    identical, blocks, plain_blocks, verdict = 0, 0, 0, None
     for start in range(0, len(prompts), size):
         batch = left_pad(prompts[start : start + size], pad_token_id)
         outputs: dict[str, list[list[int]]] = {}
@@ -135,24 +139,32 @@ def _batch_row(size: int, greedy: Decode, viasd: Decode, prompts: list[torch.Ten
             runs = [decode(*batch) for _ in range(repeats)]
             outputs[name] = runs[0][0]
             tokens[name] += sum(map(len, runs[0][0]))
+            if name == "viasd":
+                stats = runs[0][2]
+                blocks, plain_blocks, verdict = blocks + stats.blocks, plain_blocks + stats.plain_blocks, stats.speculation_verdict
             seconds[name] += statistics.median(run[1] for run in runs)
             bar.update(repeats)
         identical += sum(ours == theirs for ours, theirs in zip(outputs["viasd"], outputs["greedy"]))
     greedy_rate, viasd_rate = tokens["greedy"] / seconds["greedy"], tokens["viasd"] / seconds["viasd"]
     return BatchRow(size, tokens["viasd"], round(greedy_rate, 3), round(viasd_rate, 3), round(viasd_rate / greedy_rate, 3),
-                    None, None, identical, len(prompts))
+                    None, None, identical, len(prompts), round(plain_blocks / blocks, 3) if blocks else None, verdict)
 
 
 def batch_markdown(rows: list[BatchRow]) -> str:
     """The sweep as a table: tokens/s per method and VIA-SD's ratios."""
     header = ("| batch size | greedy tok/s | VIA-SD tok/s | × batched greedy | × HF assisted one at a time | "
-              "× VIA-SD batch 1 | rows identical to greedy |")
-    lines = [header, "|---:|---:|---:|---:|---:|---:|---:|"]
+              "× VIA-SD batch 1 | rows identical to greedy | VIA-SD blocks plain |")
+    lines = [header, "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         lines.append(f"| {row.batch_size} | {row.greedy_tokens_per_s:.2f} | {row.viasd_tokens_per_s:.2f} | "
                      f"{row.viasd_over_greedy:.2f} | {row.viasd_over_hf_one_at_a_time:.2f} | "
-                     f"{row.viasd_over_viasd_batch_1:.2f} | {row.rows_identical_to_greedy}/{row.rows} |")
+                     f"{row.viasd_over_viasd_batch_1:.2f} | {row.rows_identical_to_greedy}/{row.rows} | "
+                     f"{_share(row.viasd_plain_block_share)} |")
     return "\n".join(lines)
+
+
+def _share(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
 
 
 def batch_report(rows: list[BatchRow]) -> list[dict[str, Any]]:
