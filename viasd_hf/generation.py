@@ -285,7 +285,7 @@ def generate_batch(
                            config.draft_confidence_threshold, end_tokens(generation_config), input_ids.shape[0],
                            input_ids.device)
     decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, logits_processor, stopping_criteria,
-                             generation_config.max_length, check_invariants)
+                             generation_config.max_length, input_ids.shape[0], check_invariants)
     rows = decoder.run(input_ids, prompt_mask)
     pad = generation_config._pad_token_tensor
     sequences = rows.sequences(None if pad is None else int(pad.flatten()[0]))

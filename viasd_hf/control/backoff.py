@@ -31,14 +31,17 @@ class ProbeSchedule:
         """Whether step ``step`` belongs to a probe."""
         return step >= self.due_at
 
-    def confirmed(self, step: int) -> None:
-        """A probe ending at ``step`` confirmed the choice: wait twice as long for the next one."""
-        self.interval = min(2 * self.interval, self.longest)
+    def confirmed(self, step: int, at_least: int = 0) -> None:
+        """A probe ending at ``step`` confirmed the choice: wait twice as long for the next one (and ``at_least``
+        steps, up to ``longest``: a probe that costs much waits longer)."""
+        self.interval = min(max(2 * self.interval, at_least), self.longest)
         self.due_at = step + self.interval
 
-    def switched(self, step: int) -> None:
-        """The choice changed at ``step``: probe the old one again soon."""
+    def switched(self, step: int, at_least: int = 0) -> None:
+        """The choice changed at ``step``: probe the old one again soon (after ``at_least`` steps, up to ``longest``)."""
         self.restart(step)
+        self.interval = min(max(self.interval, at_least), self.longest)
+        self.due_at = step + self.interval
 
     def undecided(self, step: int) -> None:
         """A probe ending at ``step`` neither confirmed nor changed the choice: go on probing at the base rate."""

@@ -11,8 +11,11 @@ faster (``SpeculationSwitch``):
   block by block, drafting and the loop's own work included;
 - **plain**: blocks without a draft, one full pass and one token each, as ``generate`` decodes.
 
-The regime not in use is probed now and then (``backoff.ProbeSchedule``), so a change of text is
-noticed; while probes confirm the choice they grow rare. Plain blocks give the full model's own
+Decoding starts plainly, at ``generate``'s own speed, and probes speculation after two blocks: a
+machine where speculation cannot pay loses one short probe, not the blocks it takes to learn. The
+regime not in use is probed now and then (``backoff.ProbeSchedule``), so a change of text is
+noticed; while probes confirm the choice they grow rare, and a probe that loses much waits long
+enough that probing costs at most 2 % of the decoding time. Plain blocks give the full model's own
 token, so in lossless greedy decoding the output is the same whichever regime runs; elsewhere the
 regime changes which tokens are drafted and drawn, so the switch runs exactly where measured
 timings may steer a call (``tier_controller.measures_wall_clock``), remembered with the draft planner.
@@ -20,6 +23,7 @@ timings may steer a call (``tier_controller.measures_wall_clock``), remembered w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -33,19 +37,26 @@ from viasd_hf.models.machine import native_bf16
 class SpeculationSwitch:
     """Whether the next block speculates or decodes one token plainly; both regimes' throughput, measured.
 
-    A probe of the other regime lasts ``probe_blocks`` blocks; it switches when the other regime
-    was faster (speculation must win by ``margin``: plain decoding is the safe choice). Between
-    probes, a speculating decoder falls back as soon as its throughput drops below what plain
-    decoding last measured.
+    Decoding starts plainly, which costs what ``generate`` costs, and probes speculation from block
+    ``schedule.first``. A probe of the other regime lasts ``probe_blocks`` blocks; it switches when
+    the other regime was faster (speculation must win by ``margin``: plain decoding is the safe
+    choice). Between probes, a speculating decoder falls back as soon as its throughput drops below
+    what plain decoding last measured.
+
+    A probe of the slower regime costs time, so probes are spaced to cost at most ``budget`` of the
+    decoding time: the next one waits at least as many blocks as its expected loss (``probe_loss``)
+    takes ``budget`` times to earn back, and the doubling of ``ProbeSchedule`` applies on top.
     """
 
-    speculating: bool = True
+    speculating: bool = False
     schedule: ProbeSchedule = field(default_factory=lambda: ProbeSchedule(first=2, every=16, longest=512))
-    probe_blocks: int = 4
+    probe_blocks: int = 2
     decay: float = 0.85  # per block of the regime measured
     margin: float = 0.03
+    budget: float = 0.02  # the share of decoding time probes may cost
     speculative: FadedMean = field(default_factory=FadedMean)  # tokens per second
     plain: FadedMean = field(default_factory=FadedMean)
+    block_seconds: dict[bool, FadedMean] = field(default_factory=lambda: {True: FadedMean(), False: FadedMean()})
     block: int = 0
     probed: int = 0  # blocks of the probe under way
     switches: list[dict] = field(default_factory=list)
@@ -55,10 +66,14 @@ class SpeculationSwitch:
         """Whether the next block drafts."""
         return self.speculating != self.schedule.due(self.block)
 
-    def observe(self, speculated: bool, tokens: int, seconds: float) -> None:
-        """A finished block of either regime: what it committed and the seconds it took, drafting included."""
+    def observe(self, speculated: bool, tokens: int, seconds: float, one_off: float = 0.0) -> None:
+        """A finished block of either regime: what it committed and the seconds it took, drafting included.
+
+        ``one_off``: seconds the block spent once per call, not per block (the drafter reading the prompt before its
+        first draft): they count in what a probe costs, not in the regime's throughput."""
         probing = self.schedule.due(self.block)
         (self.speculative if speculated else self.plain).observe(tokens, self.decay, weight=seconds)
+        self.block_seconds[speculated].observe(seconds + one_off, self.decay)
         self.block += 1
         if not probing:
             if self.speculating and self._other_is_faster():
@@ -71,7 +86,16 @@ class SpeculationSwitch:
         if self._other_is_faster():
             self._switch()
         else:
-            self.schedule.confirmed(self.block)
+            self.schedule.confirmed(self.block, at_least=self._blocks_to_earn_back())
+
+    def probe_loss(self) -> float:
+        """The seconds a probe of the regime not in use is expected to lose against the one in use, as measured."""
+        probed, used = not self.speculating, self.speculating
+        rate, other = self._rate(probed), self._rate(used)
+        block = self.block_seconds[probed].mean()
+        if rate is None or other is None or block is None:
+            return 0.0
+        return self.probe_blocks * block * max(1 - rate / other, 0.0)
 
     def verdict(self) -> str:
         """Where the switch stands and why, in words: what ``viasd_stats.speculation_verdict`` reports."""
@@ -84,6 +108,16 @@ class SpeculationSwitch:
             return "not yet compared"
         return f"speculative blocks {speculative:.2f} tokens/s, plain decoding {plain:.2f} tokens/s"
 
+    def _rate(self, speculated: bool) -> float | None:
+        return (self.speculative if speculated else self.plain).mean()
+
+    def _blocks_to_earn_back(self) -> int:
+        """Blocks of the regime in use over which the next probe's expected loss is ``budget`` of the time."""
+        block = self.block_seconds[self.speculating].mean()
+        if not block:
+            return 0
+        return math.ceil(self.probe_loss() / (self.budget * block))
+
     def _other_is_faster(self) -> bool:
         speculative, plain = self.speculative.mean(), self.plain.mean()
         if speculative is None or plain is None:
@@ -94,7 +128,7 @@ class SpeculationSwitch:
 
     def _switch(self) -> None:
         self.speculating = not self.speculating
-        self.schedule.switched(self.block)
+        self.schedule.switched(self.block, at_least=self._blocks_to_earn_back())
         self.switches.append({"block": self.block, "regime": "speculating" if self.speculating else "plain",
                               "reason": self.describe()})  # fmt: skip
 

@@ -158,13 +158,15 @@ class ViaSDDecoder:
         self.stats.record_prefill(time.perf_counter() - started)
         return False
 
-    def prefill_drafter(self, state: DecodingState) -> None:
+    def prefill_drafter(self, state: DecodingState) -> float:
         """The drafter reads what it has not read, before its first draft: the prompt, or, where decoding started
-        plainly, everything committed so far."""
+        plainly, everything committed so far. Returns the seconds it took."""
         started = time.perf_counter()
         passes = self.drafter.prefill(state.ids)
-        self.stats.record_draft(passes, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.stats.record_draft(passes, seconds)
         self.drafter_prefilled = True
+        return seconds
 
     def speculates(self) -> bool:
         """Whether the next block drafts (``speculation_switch.SpeculationSwitch``; always, where timings may not steer)."""
@@ -201,9 +203,10 @@ class ViaSDDecoder:
         if not self.speculates():
             self.plain_step(state)
             return
+        reading = 0.0
+        if not self.drafter_prefilled:  # decoding began plainly: the drafter reads what it has not read, once
+            reading = self.prefill_drafter(state)
         started = time.perf_counter()
-        if not self.drafter_prefilled:
-            self.prefill_drafter(state)
         wants_slim = self.controller.use_slim() if self.controller is not None else True
         draft, drafting = self.draft(state, slim_may_run=self.tiers.slim is not None and wants_slim)
         slim_backlog = state.length - state.target_cache.length - 1
@@ -228,8 +231,8 @@ class ViaSDDecoder:
                 self.planner.costs.observe_verifying(block.seconds["full"], block.rows.fed)
         seconds = time.perf_counter() - started
         if self.switch is not None:
-            self.switch.observe(True, len(block.tokens), seconds)
-            if not self.switch.speculating:
+            self.switch.observe(True, len(block.tokens), seconds, one_off=reading)
+            if not self.switch.speculates():  # speculation measured slower: fallen back, or a probe confirmed it
                 self.advise_fallback()
         if self.controller is not None:
             charged_to_slim = wants_slim or slim_backlog > 0

@@ -42,8 +42,10 @@ class BatchDraft:
 class BatchDrafter(Protocol):
     name: str
 
-    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-        """Read the prompts but their last tokens; the passes that took."""
+    def read(self, rows: Rows) -> int:
+        """Read what each active row committed and it has not read, but the row's newest token (which opens the next
+        draft): the prompts before the first draft, everything since where decoding began plainly. The passes that
+        took."""
 
     def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
         """Up to ``limits[r]`` tokens after each active row ``r``."""
@@ -82,11 +84,14 @@ class BatchAssistant:
         self.fed: list[list[int]] = [[] for _ in range(rows)]
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-        if input_ids.shape[1] <= 1:
+    def read(self, rows: Rows) -> int:
+        feeds = [row.tokens()[len(fed) : -1] for row, fed in zip(rows.active, self.fed)]
+        if not any(feeds):
             return 0
-        self.cache.run(self.model, input_ids[:, :-1], prompt_mask[:, :-1].bool(), keep=1)
-        self.fed = [row[mask.bool()].tolist() for row, mask in zip(input_ids[:, :-1], prompt_mask[:, :-1])]
+        tokens, real = right_padded(feeds, self.cache.mask.device)
+        self.cache.run(self.model, tokens, real, keep=1)
+        for fed, feed in zip(self.fed, feeds):
+            fed.extend(feed)
         return 1
 
     @torch.no_grad()
@@ -152,7 +157,7 @@ class BatchLookup:
     def __init__(self, lookup: PromptLookupDrafter) -> None:
         self.lookup = lookup
 
-    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    def read(self, rows: Rows) -> int:
         return 0
 
     def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
@@ -182,8 +187,8 @@ class BatchHybrid:
         self.lookup = lookup
         self.assistant = assistant
 
-    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-        return self.assistant.prefill(input_ids, prompt_mask)
+    def read(self, rows: Rows) -> int:
+        return self.assistant.read(rows)
 
     def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
         copied = self.lookup.draft(rows, limits, keep_drafting)

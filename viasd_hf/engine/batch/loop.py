@@ -17,7 +17,7 @@ on the measured tokens per second of the whole batch: where speculation does not
 one token per row in one full pass, as ``generate``'s batched greedy decoding. Whether the slim
 tier runs is the tier controller's choice, fed each block's costs summed over its rows. Draft
 lengths come from the draft planner, asked row by row (``drafting``). The planner and controller are
-remembered apart from single-sequence calls': a batched pass costs differently.
+remembered per batch size, apart from single-sequence calls': a pass over more rows costs differently.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class BatchedDecoder:
 
     def __init__(self, model: nn.Module, drafter: BatchDrafter, drafter_model: nn.Module | None, config: ViaSDConfig,
                  slim_mask: RoutingMask | None, logits_processor: LogitsProcessorList,
-                 stopping_criteria: StoppingCriteriaList, max_length: int, check_invariants: bool = False) -> None:
+                 stopping_criteria: StoppingCriteriaList, max_length: int, batch_size: int,
+                 check_invariants: bool = False) -> None:
         self.model = model
         self.drafter = drafter
         self.config = config
@@ -72,7 +73,8 @@ class BatchedDecoder:
         self.check_invariants = check_invariants
         self.rules = VerificationRules(config, None)
         self.stats = BatchViaSDStats()
-        key = (drafter.name, id(drafter_model), "batch")  # a batched pass costs differently from a single sequence's
+        # a pass over B rows costs differently from a single sequence's, and from one over another number of rows
+        key = (drafter.name, id(drafter_model), "batch", batch_size)
         chooses_tier = config.adaptive and slim_mask is not None
         self.controller = tier_choice(model, slim_mask, key, config, False) if chooses_tier else None
         self.planner_key = planner_key(key, slim_mask, config, False) if config.adaptive else None
@@ -86,6 +88,7 @@ class BatchedDecoder:
         self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
         self.rows: Rows
         self.target: RaggedCache
+        self.drafter_read = False  # whether the drafter has read the prompts (it does before its first draft)
 
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
         """Decode every row of ``input_ids`` (left-padded as ``prompt_mask`` says) until each one stops."""
@@ -102,9 +105,9 @@ class BatchedDecoder:
 
     def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
         """The target reads every prompt but its last token, which opens the first block; so does the drafter, unless
-        the first block decodes plainly (then its first draft reads what it lacks)."""
+        the first block decodes plainly (then it reads what it lacks before its first draft: ``read_drafts``)."""
         if self.speculates():
-            self.prefill_drafter(input_ids, prompt_mask)
+            self.read_drafts()
         if input_ids.shape[1] <= 1:
             return
         started = time.perf_counter()
@@ -114,10 +117,14 @@ class BatchedDecoder:
         for row in self.rows.active:
             row.stats.record_prefill(seconds)
 
-    def prefill_drafter(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+    def read_drafts(self) -> float:
+        """The drafter reads what the rows committed and it has not read; the seconds it took."""
         started = time.perf_counter()
-        passes = self.drafter.prefill(input_ids, prompt_mask)
-        self.record_draft(passes, time.perf_counter() - started)
+        passes = self.drafter.read(self.rows)
+        seconds = time.perf_counter() - started
+        self.record_draft(passes, seconds)
+        self.drafter_read = True
+        return seconds
 
     def speculates(self) -> bool:
         """Whether the next block drafts (``SpeculationSwitch``; always, where timings may not steer)."""
@@ -134,6 +141,7 @@ class BatchedDecoder:
         if not self.speculates():
             self.plain_step()
             return
+        reading = 0.0 if self.drafter_read else self.read_drafts()  # decoding began plainly: read, once
         started = time.perf_counter()
         wants_slim = self.wants_slim()
         draft, drafting = self.draft(slim_may_run=wants_slim)
@@ -144,7 +152,7 @@ class BatchedDecoder:
         self.stats.slim_forwards += int(slim_runs)
         self.stats.slim_on_blocks += int(wants_slim)
         self.stats.slim_off_blocks += int(not wants_slim)
-        self.learn(draft, blocks, committed, time.perf_counter() - started, drafting, wants_slim)
+        self.learn(draft, blocks, committed, time.perf_counter() - started, drafting, wants_slim, reading)
 
     def plain_step(self) -> None:
         """A block without a draft: one full pass gives one token per row, as ``generate`` decodes a batch."""
@@ -237,8 +245,9 @@ class BatchedDecoder:
             self.stats.peak_hole_share = max(self.stats.peak_hole_share, self.target.hole_share())
 
     def learn(self, draft: BatchDraft, blocks: list[BlockResult], committed: int, seconds: float, drafting: float,
-              wants_slim: bool) -> None:
-        """What the block teaches the planner, the speculation switch and the tier controller."""
+              wants_slim: bool, reading: float) -> None:
+        """What the block teaches the planner, the speculation switch and the tier controller (``reading``: the seconds
+        the drafter spent once, catching up with plain blocks, before the block)."""
         if self.planner is not None:
             for confidences, block in zip(draft.confidences, blocks):
                 if confidences:
@@ -246,7 +255,7 @@ class BatchedDecoder:
             if isinstance(self.planner.costs, MeasuredCosts):
                 self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
         if self.switch is not None:
-            self.switch.observe(True, committed, seconds)
+            self.switch.observe(True, committed, seconds, one_off=reading)
         if self.controller is not None:
             self.controller.observe(BlockCost(
                 slim=wants_slim, seconds=seconds, tokens=committed, slim_seconds=blocks[0].seconds["slim"],
