@@ -261,10 +261,9 @@ class AtFourteenTokens(StoppingCriteria):
 
 @pytest.mark.parametrize("request_, match", [
     ({"viasd_config": "tiered"}, "mode='tiered'.*batch of 3.*mode='lossless'"),
-    ({"do_sample": True}, "does not sample.*do_sample=False"),
     ({"assistant_model": None}, "self-drafter.*assistant_model=.*prompt_lookup_num_tokens"),
     ({"streamer": RecordingStreamer()}, "RecordingStreamer only supports batch size 1"),
-    ({"do_sample": True, "num_return_sequences": 2}, "num_return_sequences=1"),
+    ({"do_sample": True, "num_return_sequences": 2, "viasd_config": "tiered"}, "3 prompts x num_return_sequences=2"),
     ({"output_scores": True}, "does not return scores.*drop output_scores"),
     ({"output_logits": True}, "does not return logits"),
     ({"viasd_config": "drafter_context"}, "drafter_context=None"),

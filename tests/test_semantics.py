@@ -253,8 +253,10 @@ def test_beams_and_several_return_sequences_are_named_not_reported_as_a_batch(ta
     config = ViaSDConfig(mode="tiered", routing_mask=mask)
     with pytest.raises(ValueError, match="num_beams=2"):
         viasd(target, prompt(0), config, drafter=assistant, num_beams=2)
-    with pytest.raises(ValueError, match="num_return_sequences=3"):
+    with pytest.raises(ValueError, match="1 prompt x num_return_sequences=3"):
         viasd(target, prompt(0), config, drafter=assistant, num_return_sequences=3, do_sample=True)
+    with pytest.raises(ValueError, match="num_return_sequences"):  # generate's own refusal of greedy copies
+        viasd(target, prompt(0), config, drafter=assistant, num_return_sequences=3)
 
 
 @pytest.mark.parametrize("width", [8, 12])

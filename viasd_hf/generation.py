@@ -45,6 +45,7 @@ from viasd_hf.engine.batch import BatchedDecoder, batch_drafter, check_batch_sup
 from viasd_hf.engine.kv_cache import new_cache
 from viasd_hf.engine.loop import ViaSDDecoder
 from viasd_hf.engine.preconditions import check_supported
+from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.state import DecodingState, ModelInputs, TargetCache
 from viasd_hf.engine.stats import ViaSDStats
 from viasd_hf.masks.architectures import base_model, is_encoder_decoder, model_config
@@ -268,11 +269,12 @@ def generate_batch(
     check_invariants: bool,
     model_kwargs: dict[str, Any],
 ) -> torch.Tensor | ViaSDDecoderOnlyOutput:
-    """``viasd_generate`` for more than one prompt: batched lossless greedy VIA-SD (``viasd_hf.engine.batch``). Rows
+    """``viasd_generate`` for more than one prompt: batched lossless VIA-SD, greedy or sampling (``viasd_hf.engine.batch``). Rows
     that finish early are padded with ``pad_token_id``, as ``generate`` pads them; ``viasd_stats`` holds the totals
     and one ``ViaSDStats`` per row (``BatchViaSDStats``)."""
     check_batch_supported(model, input_ids, generation_config, config, drafter, streamer, stopping_criteria, model_kwargs)
-    drafter = drafter_for_call(drafter, config, do_sample=False)
+    do_sample = bool(generation_config.do_sample)
+    drafter = drafter_for_call(drafter, config, do_sample)
     if drafter is not None:
         check_same_vocabulary(model, drafter)
     slim_mask = None
@@ -284,8 +286,9 @@ def generate_batch(
     chosen = batch_drafter(drafter, prompt_lookup(model, generation_config, logits_processor), logits_processor,
                            config.draft_confidence_threshold, end_tokens(generation_config), input_ids.shape[0],
                            input_ids.device)
+    rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
     decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, logits_processor, stopping_criteria,
-                             generation_config.max_length, input_ids.shape[0], check_invariants)
+                             generation_config.max_length, input_ids.shape[0], rng, check_invariants)
     rows = decoder.run(input_ids, prompt_mask)
     pad = generation_config._pad_token_tensor
     sequences = rows.sequences(None if pad is None else int(pad.flatten()[0]))

@@ -19,7 +19,9 @@ def check_supported(
     """Refuse, with the reason, what this decoder does not do (yet).
 
     ``generation_config`` is checked first: ``generate`` has already expanded ``input_ids`` for
-    ``num_beams`` and ``num_return_sequences``, which would otherwise look like a batch.
+    ``num_beams`` and ``num_return_sequences``, which would otherwise look like a batch. Sampling
+    ``num_return_sequences`` sequences per prompt is a batch of that many copies of each prompt (greedy
+    decoding with more than one is refused by ``generate`` itself).
     """
     model_type(model)
     check_not_routed(model)
@@ -42,11 +44,6 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
     if (generation_config.num_beams or 1) > 1:
         raise ValueError(
             f"VIA-SD does not support beam search (num_beams={generation_config.num_beams}); use num_beams=1"
-        )
-    if (generation_config.num_return_sequences or 1) > 1:
-        raise ValueError(
-            f"VIA-SD returns one sequence per prompt (num_return_sequences={generation_config.num_return_sequences}); "
-            "use num_return_sequences=1 and call generate again for more samples"
         )
     check_drafting_options(generation_config)
     if generation_config.guidance_scale is not None and generation_config.guidance_scale != 1:

@@ -3,7 +3,8 @@
 A batched verifying pass returns logits ``[rows, columns, vocab]``. Row ``r`` fed its newest
 committed token and then its draft, so its first ``len(draft) + 1`` columns score the draft: column
 ``j`` says what follows the committed tokens and ``draft[:j]``. Each row then walks its own draft
-as a lossless block of one sequence does (``policies.lossless``, whose steps these are): the slim
+as a lossless block of one sequence does (``policies.lossless``, whose steps these are), greedily
+or, where sampling, by rejection sampling against the distributions its draft was drawn from: the slim
 verifier may repair one draft, dropping those after it (``policies.slim_repair``); the full model
 keeps the longest prefix it agrees with and adds its own token. So rows keep different numbers of
 drafts in one block (ragged acceptance), and every committed token is the full model's own choice.
@@ -33,19 +34,15 @@ def row_view(logits: torch.Tensor, row: Row, draft: list[int], processor: Logits
     return TierLogits(raw, processed_scores(processor, row.ids, draft, raw), seconds=seconds, fed=fed)
 
 
-def greedy_draft(tokens: list[int]) -> Draft:
-    """A row's draft as the single-sequence rules take it: greedy, so no proposal distributions."""
-    return Draft(tokens, [None] * len(tokens))
-
-
-def full_verdict(rules: VerificationRules, view: TierLogits, draft: list[int], repair: SlimRepair | None,
+def full_verdict(rules: VerificationRules, view: TierLogits, draft: Draft, repair: SlimRepair | None,
                  slim_view: TierLogits | None) -> BlockResult:
-    """The full model's verdict on one row's (repaired) draft, as the block result a single sequence would record."""
-    verified = repair.verified if repair is not None else greedy_draft(draft)
+    """The full model's verdict on one row's (repaired) draft, as the block result a single sequence would record:
+    the prefix it keeps, greedily or by rejection sampling against the proposals the draft carries."""
+    verified = repair.verified if repair is not None else draft
     block = decided(verified, accept_prefix(verified, rules.full(view)), view, "full")
     if slim_view is None or repair is None:
         return block
-    return after_repair(block, slim_view, greedy_draft(draft), repair)
+    return after_repair(block, slim_view, draft, repair)
 
 
 def ragged(blocks: list[BlockResult]) -> bool:

@@ -21,22 +21,31 @@ from viasd_hf.drafters import (
     drafted_token,
     kept_prefix,
 )
+from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
+from viasd_hf.engine.sampling import RandomStream
 
 
 @dataclass
 class BatchDraft:
-    """Each row's proposed tokens, the drafter's confidence in each (``None`` for a copied draft), and the drafter's
-    batched passes."""
+    """Each active row's draft (``accept.Draft``: its tokens and, where a model drew them, the distributions they were
+    drawn from; ``None`` for copied tokens) and the drafter's batched passes."""
 
-    tokens: list[list[int]]
-    confidences: list[list[float] | None]
+    rows: list[Draft]
     forwards: int = 0
+
+    @classmethod
+    def empty(cls, rows: int) -> BatchDraft:
+        return cls([Draft([], []) for _ in range(rows)])
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [draft.tokens for draft in self.rows]
 
     @property
     def longest(self) -> int:
-        return max((len(tokens) for tokens in self.tokens), default=0)
+        return max((len(draft.tokens) for draft in self.rows), default=0)
 
 
 class BatchDrafter(Protocol):
@@ -47,8 +56,9 @@ class BatchDrafter(Protocol):
         draft): the prompts before the first draft, everything since where decoding began plainly. The passes that
         took."""
 
-    def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
-        """Up to ``limits[r]`` tokens after each active row ``r``."""
+    def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
+              keep_drafting: KeepDrafting | None) -> BatchDraft:
+        """Up to ``limits[r]`` tokens after each active row ``r``: the argmax, or drawn with ``rng`` where sampling."""
 
     def commit(self, rows: Rows) -> None:
         """The active rows' sequences are committed: forget what was drafted off them."""
@@ -95,10 +105,11 @@ class BatchAssistant:
         return 1
 
     @torch.no_grad()
-    def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
+    def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
+              keep_drafting: KeepDrafting | None) -> BatchDraft:
         """One pass per drafted token for all rows; the first also feeds what each row committed since its last."""
         feeds = [row.tokens()[len(fed) :] for row, fed in zip(rows.active, self.fed)]
-        draft = BatchDraft([[] for _ in feeds], [[] for _ in feeds])
+        draft = BatchDraft.empty(len(feeds))
         drafting = [limit > 0 for limit in limits]
         while any(drafting):
             tokens, real = right_padded(feeds, self.cache.mask.device)
@@ -110,24 +121,25 @@ class BatchAssistant:
             feeds = [[] for _ in feeds]
             for i, row in enumerate(rows.active):
                 if drafting[i]:
-                    drafting[i] = self._next(row, last[i : i + 1], draft, i, limits[i], keep_drafting)
-                    feeds[i] = draft.tokens[i][-1:] if drafting[i] else []
+                    drafting[i] = self._next(row, last[i : i + 1], draft.rows[i], limits[i], rng, keep_drafting)
+                    feeds[i] = draft.rows[i].tokens[-1:] if drafting[i] else []
         return draft
 
-    def _next(self, row: Row, logits: torch.Tensor, draft: BatchDraft, i: int, limit: int,
+    def _next(self, row: Row, logits: torch.Tensor, draft: Draft, limit: int, rng: RandomStream | None,
               keep_drafting: KeepDrafting | None) -> bool:
-        """Draft row ``i``'s next token from ``logits``; whether the row drafts another."""
-        chosen = drafted_token(self.logits_processor(row.extended(draft.tokens[i]), logits.float()), False, None)
+        """Draft the row's next token from ``logits`` into ``draft``; whether the row drafts another."""
+        scores = self.logits_processor(row.extended(draft.tokens), logits.float())
+        chosen = drafted_token(scores, rng is not None, rng)
         if chosen is None:
             return False
         token, probs = chosen
-        draft.tokens[i].append(token)
-        draft.confidences[i].append(probs[token].item())
-        if token in self.end_tokens or len(draft.tokens[i]) >= limit:
+        draft.tokens.append(token)
+        draft.probs.append(probs)
+        if token in self.end_tokens or len(draft.tokens) >= limit:
             return False
         if keep_drafting is not None:
-            return keep_drafting(draft.confidences[i])
-        return self.confidence_threshold is None or draft.confidences[i][-1] >= self.confidence_threshold
+            return keep_drafting(draft.confidences)
+        return self.confidence_threshold is None or draft.confidences[-1] >= self.confidence_threshold
 
     def commit(self, rows: Rows) -> None:
         forget = []
@@ -160,10 +172,10 @@ class BatchLookup:
     def read(self, rows: Rows) -> int:
         return 0
 
-    def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
-        tokens = [self.lookup.draft(row.ids[:, row.padding :], limit, None).tokens if limit > 0 else []
-                  for row, limit in zip(rows.active, limits)]
-        return BatchDraft(tokens, [None] * len(tokens))
+    def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
+              keep_drafting: KeepDrafting | None) -> BatchDraft:
+        return BatchDraft([self.lookup.draft(row.ids[:, row.padding :], limit, None) if limit > 0 else Draft([], [])
+                           for row, limit in zip(rows.active, limits)])
 
     def commit(self, rows: Rows) -> None:
         """Stateless: each block reads the rows afresh."""
@@ -190,14 +202,14 @@ class BatchHybrid:
     def read(self, rows: Rows) -> int:
         return self.assistant.read(rows)
 
-    def draft(self, rows: Rows, limits: list[int], keep_drafting: KeepDrafting | None) -> BatchDraft:
-        copied = self.lookup.draft(rows, limits, keep_drafting)
+    def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
+              keep_drafting: KeepDrafting | None) -> BatchDraft:
+        copied = self.lookup.draft(rows, limits, rng, keep_drafting)
         model_limits = [0 if tokens else limit for tokens, limit in zip(copied.tokens, limits)]
         if not any(model_limits):
             return copied
-        drafted = self.assistant.draft(rows, model_limits, keep_drafting)
-        return BatchDraft([copy or own for copy, own in zip(copied.tokens, drafted.tokens)],
-                          [None if copy else own for copy, own in zip(copied.tokens, drafted.confidences)],
+        drafted = self.assistant.draft(rows, model_limits, rng, keep_drafting)
+        return BatchDraft([copy if copy.tokens else own for copy, own in zip(copied.rows, drafted.rows)],
                           drafted.forwards)
 
     def commit(self, rows: Rows) -> None:

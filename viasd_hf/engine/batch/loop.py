@@ -1,4 +1,4 @@
-"""The batched VIA-SD decode loop (lossless, greedy): every row of a left-padded batch decodes at once.
+"""The batched VIA-SD decode loop (lossless, greedy or sampling): every row of a left-padded batch decodes at once.
 
 One block, as in the paper's algorithm, for all rows together:
 
@@ -33,12 +33,7 @@ from viasd_hf.control.draft_planner import MeasuredCosts, StaticCosts
 from viasd_hf.control.memory import draft_planner, planner_key, tier_choice, tier_memory
 from viasd_hf.control.tier_controller import BlockCost
 from viasd_hf.engine.attention import fastest_attention
-from viasd_hf.engine.batch.acceptance import (
-    full_verdict,
-    greedy_draft,
-    ragged,
-    row_view,
-)
+from viasd_hf.engine.batch.acceptance import full_verdict, ragged, row_view
 from viasd_hf.engine.batch.drafting import BatchDraft, BatchDrafter
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Rows
@@ -50,6 +45,7 @@ from viasd_hf.engine.policies import (
     VerificationRules,
     slim_repair,
 )
+from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.state import CacheInvariantError
 from viasd_hf.engine.verifier import TierLogits
 from viasd_hf.masks.layer_skipping import skipping
@@ -57,12 +53,13 @@ from viasd_hf.masks.routing_mask import RoutingMask
 
 
 class BatchedDecoder:
-    """One batched ``generate`` call's worth of lossless greedy VIA-SD; ``run`` returns the rows."""
+    """One batched ``generate`` call's worth of lossless VIA-SD (sampling with ``rng``, else greedy); ``run`` returns
+    the rows."""
 
     def __init__(self, model: nn.Module, drafter: BatchDrafter, drafter_model: nn.Module | None, config: ViaSDConfig,
                  slim_mask: RoutingMask | None, logits_processor: LogitsProcessorList,
                  stopping_criteria: StoppingCriteriaList, max_length: int, batch_size: int,
-                 check_invariants: bool = False) -> None:
+                 rng: RandomStream | None = None, check_invariants: bool = False) -> None:
         self.model = model
         self.drafter = drafter
         self.config = config
@@ -71,17 +68,19 @@ class BatchedDecoder:
         self.stopping_criteria = stopping_criteria
         self.max_length = max_length
         self.check_invariants = check_invariants
-        self.rules = VerificationRules(config, None)
+        self.rng = rng  # every random draw of a sampling call; None: greedy
+        self.rules = VerificationRules(config, rng)
+        sampling = rng is not None
         self.stats = BatchViaSDStats()
         # a pass over B rows costs differently from a single sequence's, and from one over another number of rows
         key = (drafter.name, id(drafter_model), "batch", batch_size)
         chooses_tier = config.adaptive and slim_mask is not None
-        self.controller = tier_choice(model, slim_mask, key, config, False) if chooses_tier else None
-        self.planner_key = planner_key(key, slim_mask, config, False) if config.adaptive else None
+        self.controller = tier_choice(model, slim_mask, key, config, sampling) if chooses_tier else None
+        self.planner_key = planner_key(key, slim_mask, config, sampling) if config.adaptive else None
         self.planner = None
         if config.adaptive:
             self.planner = draft_planner(model, self.planner_key, lambda: new_draft_planner(
-                StaticCosts.for_drafter(model, drafter_model, None), config, do_sample=False))
+                StaticCosts.for_drafter(model, drafter_model, None), config, do_sample=sampling))
         self.switch = self.planner.switch if self.planner is not None else None
         # where this call's switches start in the remembered controller's and speculation switch's records
         self._first_tier_switch = len(self.controller.switches) if self.controller is not None else 0
@@ -95,7 +94,7 @@ class BatchedDecoder:
         started = time.perf_counter()
         self.rows = Rows(input_ids, prompt_mask, self.stopping_criteria, self.max_length)
         self.target = RaggedCache(self.model.config, input_ids.shape[0], input_ids.device)
-        with fastest_attention(steers_attention(self.config, False)):
+        with fastest_attention(steers_attention(self.config, self.rng is not None)):
             self.prefill(input_ids, prompt_mask)
             while len(self.rows):
                 self.step()
@@ -157,7 +156,7 @@ class BatchedDecoder:
     def plain_step(self) -> None:
         """A block without a draft: one full pass gives one token per row, as ``generate`` decodes a batch."""
         started = time.perf_counter()
-        empty = BatchDraft([[] for _ in range(len(self.rows))], [None] * len(self.rows))
+        empty = BatchDraft.empty(len(self.rows))
         committed = self.commit(self.verify(empty, None, None), empty)
         self.stats.plain_blocks += 1
         for row in self.rows.active:
@@ -171,7 +170,8 @@ class BatchedDecoder:
         longest = longest_draft(self.config, self.planner, slim_may_run)
         limits = [max(0, min(longest, self.max_length - row.length - 1)) for row in self.rows.active]
         started = time.perf_counter()
-        draft = self.drafter.draft(self.rows, limits, self.planner.keep_drafting if self.planner is not None else None)
+        keep_drafting = self.planner.keep_drafting if self.planner is not None else None
+        draft = self.drafter.draft(self.rows, limits, self.rng, keep_drafting)
         seconds = time.perf_counter() - started
         self.record_draft(draft.forwards, seconds)
         if self.planner is not None and isinstance(self.planner.costs, MeasuredCosts):
@@ -183,7 +183,7 @@ class BatchedDecoder:
         logits, seconds, fed = self.score(draft.tokens, routed=True)
         views = [row_view(logits[i], row, draft.tokens[i], self.logits_processor, seconds, fed[i])
                  for i, row in enumerate(self.rows.active)]
-        return [slim_repair(self.rules, view, greedy_draft(tokens)) for view, tokens in zip(views, draft.tokens)], views
+        return [slim_repair(self.rules, view, row) for view, row in zip(views, draft.rows)], views
 
     def verify(self, draft: BatchDraft, repairs: list[SlimRepair] | None,
                slim_views: list[TierLogits] | None) -> list[BlockResult]:
@@ -193,7 +193,7 @@ class BatchedDecoder:
         blocks = []
         for i, row in enumerate(self.rows.active):
             view = row_view(logits[i], row, verified[i], self.logits_processor, seconds, fed[i])
-            blocks.append(full_verdict(self.rules, view, draft.tokens[i], repairs[i] if repairs else None,
+            blocks.append(full_verdict(self.rules, view, draft.rows[i], repairs[i] if repairs else None,
                                        slim_views[i] if slim_views else None))
         rejected = [len(tokens) - block.kept for tokens, block in zip(verified, blocks)]
         self.target.forget_last(torch.tensor(rejected, device=self.target.mask.device))
@@ -249,9 +249,8 @@ class BatchedDecoder:
         """What the block teaches the planner, the speculation switch and the tier controller (``reading``: the seconds
         the drafter spent once, catching up with plain blocks, before the block)."""
         if self.planner is not None:
-            for confidences, block in zip(draft.confidences, blocks):
-                if confidences:
-                    self.planner.acceptance.observe(confidences, block.judged, block.kept)
+            for row, block in zip(draft.rows, blocks):
+                self.planner.observe(row, block.judged, block.kept)
             if isinstance(self.planner.costs, MeasuredCosts):
                 self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
         if self.switch is not None:

@@ -1,6 +1,6 @@
 """What batched VIA-SD decodes, and, for what it does not, the reason and the fix.
 
-A batch (more than one prompt) decodes in lossless mode, greedily, from left-padded prompts (with
+A batch (more than one prompt) decodes in lossless mode, greedily or sampling, from left-padded prompts (with
 their attention mask, or none when they have one length), drafted by an assistant model, prompt
 lookup, or both. ``return_dict_in_generate`` returns the sequences and ``viasd_stats``. With a
 ``MaskSet`` the slim tier runs its default mask. Draft vocabularies and the runner-up leaf are left
@@ -21,7 +21,7 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.engine.kv_cache import check_empty, full_attention_only, new_cache
 from viasd_hf.masks.architectures import is_encoder_decoder, model_config
 
-SUPPORTED = ("batched VIA-SD decodes left-padded prompts in lossless mode, greedily (do_sample=False), drafted by an "
+SUPPORTED = ("batched VIA-SD decodes left-padded prompts in lossless mode, greedily or sampling, drafted by an "
              "assistant model (assistant_model=...), prompt lookup (prompt_lookup_num_tokens=...) or both")
 ONE_AT_A_TIME = "or call generate once per prompt"
 Refuse = Callable[[str, str], NoReturn]  # (what is not supported, the fix) -> raises the ValueError
@@ -32,19 +32,21 @@ def check_batch_supported(
     drafter: nn.Module | None, streamer: Any, stopping_criteria: StoppingCriteriaList, model_kwargs: dict[str, Any],
 ) -> None:
     """Refuse, naming what is supported and the fix, what batched VIA-SD does not do (yet)."""
-    batch = input_ids.shape[0]
+    batch = f"a batch of {input_ids.shape[0]}"
+    copies = generation_config.num_return_sequences or 1
+    if copies > 1:  # generate repeated each prompt: name the batch as the user asked for it
+        prompts = input_ids.shape[0] // copies
+        batch += f" ({prompts} prompt{'s' * (prompts != 1)} x num_return_sequences={copies})"
 
     def refuse(what: str, fix: str) -> NoReturn:
-        raise ValueError(f"{what}, got a batch of {batch}: {SUPPORTED}; {fix}")
+        raise ValueError(f"{what}, got {batch}: {SUPPORTED}; {fix}")
 
     if streamer is not None:  # transformers' own words (TextStreamer), the fix after them
         name = type(getattr(streamer, "streamer", streamer)).__name__
         raise ValueError(f"{name} only supports batch size 1: stream one prompt per generate call, or drop the streamer "
-                         f"to decode a batch of {batch}")
+                         f"to decode {batch}")
     if is_encoder_decoder(model):
         refuse("batched VIA-SD does not decode encoder-decoder models", ONE_AT_A_TIME)
-    if generation_config.do_sample:
-        refuse("batched VIA-SD does not sample yet", f"use do_sample=False, {ONE_AT_A_TIME}")
     if config.mode != "lossless":
         refuse(f"batched VIA-SD does not decode in mode={config.mode!r} yet", f"use mode='lossless', {ONE_AT_A_TIME}")
     if drafter is None and not generation_config.prompt_lookup_num_tokens:

@@ -1,0 +1,130 @@
+"""Batched lossless sampling is exact per row: each row of a left-padded batch draws its two new tokens from the
+target's own distribution after that row's prompt, whatever the other rows draft and keep.
+
+The two-token distributions, the models and the TV bound are ``test_sampling``'s (float64 tiny models,
+temperature 0.8 and top-k 6); a mutation control shows the bound catches a proposal the drafter did not
+draw from.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from test_sampling import (
+    LOOKUP_PROMPT,
+    N,
+    PROMPT,
+    TV_BOUND,
+    exact_two_token_distribution,
+    processors,
+    total_variation,
+)
+from transformers import StoppingCriteriaList
+
+import viasd_hf.engine.batch.drafting as drafting
+from conftest import tiny_causal_lm
+from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+from viasd_hf.drafters import PromptLookupDrafter
+from viasd_hf.engine.batch import BatchedDecoder, batch_drafter
+from viasd_hf.engine.sampling import RandomStream
+
+VOCAB = 8
+PAD = 0
+ROWS = [PROMPT, LOOKUP_PROMPT]  # 5 and 7 tokens: the first row is left-padded; the second's bigram recurs
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_causal_lm("llama", seed=0, dtype=torch.float64, vocab_size=VOCAB)
+    drafter = tiny_causal_lm("llama", seed=7, dtype=torch.float64, vocab_size=VOCAB, num_hidden_layers=2)
+    return target, drafter, RoutingMask.from_model(target, skip=[2, 3])
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(row.shape[1] for row in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - row.shape[1] :], mask[i, width - row.shape[1] :] = row[0], 1
+    return ids, mask
+
+
+def sample_batch(models, config: ViaSDConfig, seed: int, lookup: bool, stats: list) -> list[tuple[int, ...]]:
+    """Two new tokens for every row of the batch, drawn with the call's seed; each row's pair."""
+    target, drafter, _ = models
+    ids, mask = left_padded(ROWS)
+    torch.manual_seed(seed)
+    chosen = batch_drafter(drafter, PromptLookupDrafter(3) if lookup else None, processors(), None, frozenset(),
+                           len(ROWS), ids.device)  # fmt: skip
+    decoder = BatchedDecoder(target, chosen, drafter, config, config.routing_mask if config.use_slim else None,
+                             processors(), StoppingCriteriaList(), ids.shape[1] + 2, len(ROWS),
+                             RandomStream.from_global_seed(), check_invariants=True)  # fmt: skip
+    rows = decoder.run(ids, mask)
+    stats.append(decoder.stats)
+    return [tuple(row.tokens()[-2:]) for row in rows.every_row()]
+
+
+def per_row_tv(models, config: ViaSDConfig, lookup: bool = False) -> tuple[list[float], list]:
+    stats: list = []
+    draws = [sample_batch(models, config, seed, lookup, stats) for seed in range(N)]
+    target = models[0]
+    return [total_variation(Counter(draw[i] for draw in draws), exact_two_token_distribution(target, prompt), N)
+            for i, prompt in enumerate(ROWS)], stats  # fmt: skip
+
+
+def test_batched_lossless_sampling_is_exact_per_row(models, monkeypatch):
+    """The assistant drafts for the first row; the second row's recurring bigram is copied where it can be."""
+    copied = []
+    copy = drafting.BatchLookup.draft
+
+    def counted(self, *args):
+        draft = copy(self, *args)
+        copied.append(sum(len(tokens) for tokens in draft.tokens))
+        return draft
+
+    monkeypatch.setattr(drafting.BatchLookup, "draft", counted)
+    config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
+    distances, stats = per_row_tv(models, config, lookup=True)
+    assert max(distances) < TV_BOUND, distances
+    assert sum(one.slim_forwards for one in stats) > 0, "the slim tier repaired drafts"
+    rows = [row for one in stats for row in one.rows]
+    assert sum(row.accepted_tokens for row in rows) > 0 and sum(row.drafted_tokens for row in rows) > 0
+    assert sum(copied) > 0, "copied drafts (no proposal distribution) were verified beside drawn ones"
+
+
+def test_the_per_row_bound_catches_a_proposal_the_drafter_did_not_draw_from(models, monkeypatch):
+    """The assistant draws its tokens as usual but tells the verifiers they were drawn uniformly: rejection sampling
+    then keeps nearly every draft, and the rows follow the drafter's distribution instead of the target's."""
+    drawn = drafting.drafted_token
+
+    def uniform(scores, do_sample, rng):
+        chosen = drawn(scores, do_sample, rng)
+        return None if chosen is None else (chosen[0], torch.full_like(chosen[1], 1 / chosen[1].numel()))
+
+    monkeypatch.setattr(drafting, "drafted_token", uniform)
+    config = ViaSDConfig(mode="lossless", use_slim=False, adaptive=False)
+    distances, _ = per_row_tv(models, config)
+    assert max(distances) > TV_BOUND, distances
+
+
+def test_generate_samples_a_batch_and_several_sequences_per_prompt(models):
+    """Through ``generate``: a sampled batch and ``num_return_sequences`` copies of each prompt decode as one batch,
+    reproducibly under one seed."""
+    target, drafter, _ = models
+    enable_viasd(target)
+    ids, mask = left_padded(ROWS)
+    settings = {"do_sample": True, "temperature": 0.8, "top_k": 6, "max_new_tokens": 6, "pad_token_id": PAD,
+                "return_dict_in_generate": True, "num_return_sequences": 3}  # fmt: skip
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        runs.append(target.generate(ids, attention_mask=mask, assistant_model=drafter,
+                                    viasd_config=ViaSDConfig(use_slim=False), **settings))  # fmt: skip
+    out = runs[0]
+    assert out.sequences.shape[0] == 2 * 3 and out.viasd_stats.batch_size == 6
+    assert torch.equal(out.sequences, runs[1].sequences), "one seed, one output"
+    assert len({tuple(row) for row in out.sequences[:3, -6:].tolist()}) > 1, "the copies of a prompt sample apart"
