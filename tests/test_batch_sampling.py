@@ -14,9 +14,9 @@ import pytest
 import torch
 from test_sampling import (
     LOOKUP_PROMPT,
-    N,
     PROMPT,
     TV_BOUND,
+    N,
     exact_two_token_distribution,
     processors,
     total_variation,

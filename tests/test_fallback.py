@@ -59,6 +59,17 @@ def test_a_switch_resumes_speculation_when_it_starts_paying():
     assert [change["regime"] for change in switch.switches] == ["speculating", "plain"]
 
 
+def test_plain_decoding_gives_way_at_once_when_it_slows_below_what_speculation_measured():
+    """Between probes, plain decoding that slows (a change of load) below speculation's last measure switches back
+    without waiting for the next probe."""
+    switch = SpeculationSwitch()
+    run(switch, 50, speculative_rate=8.0, plain_rate=10.0)
+    next_probe = switch.schedule.due_at
+    assert not switch.speculating and next_probe > 60
+    run(switch, 10, speculative_rate=8.0, plain_rate=4.0)
+    assert switch.speculating and switch.switches[0]["block"] < next_probe
+
+
 @pytest.mark.parametrize("speculative_rate", [2.5, 5.0, 9.0])
 def test_probing_a_losing_speculation_costs_at_most_the_budget(speculative_rate):
     """Where speculation loses (by 2.4x, as with emulated bf16, or by 10 %), probes still cost at most ``budget`` of the

@@ -40,8 +40,8 @@ class SpeculationSwitch:
     Decoding starts plainly, which costs what ``generate`` costs, and probes speculation from block
     ``schedule.first``. A probe of the other regime lasts ``probe_blocks`` blocks; it switches when
     the other regime was faster (speculation must win by ``margin``: plain decoding is the safe
-    choice). Between probes, a speculating decoder falls back as soon as its throughput drops below
-    what plain decoding last measured.
+    choice). Between probes, either regime gives way as soon as its throughput drops below what the
+    other last measured (a change of load or text shows there first).
 
     A probe of the slower regime costs time, so probes are spaced to cost at most ``budget`` of the
     decoding time: the next one waits at least as many blocks as its expected loss (``probe_loss``)
@@ -76,7 +76,7 @@ class SpeculationSwitch:
         self.block_seconds[speculated].observe(seconds + one_off, self.decay)
         self.block += 1
         if not probing:
-            if self.speculating and self._other_is_faster():
+            if self._other_is_faster():
                 self._switch()
             return
         self.probed += 1
