@@ -43,6 +43,29 @@ def test_the_draft_is_capped():
     assert drafted(DraftPlanner(StaticCosts(drafter=0.0), longest=7), 0.99) == 7
 
 
+def drafted_rows(planner: DraftPlanner, confidences: list[float], going_on: list[bool], limit: int = 50) -> int:
+    """How many columns a batch drafts when row ``r`` drafts with ``confidences[r]`` (``going_on[r]``: it may go on
+    past the first column; a row that may not stops there, as at an end token)."""
+    rows: list[list[float]] = [[] for _ in confidences]
+    drafting = [True] * len(rows)
+    while len(rows[0]) < limit and planner.keep_drafting_rows(rows, drafting):
+        for row, confidence, may in zip(rows, confidences, going_on):
+            if not rows[0] or may:
+                row.append(confidence)
+        drafting = list(going_on)
+    return max(len(row) for row in rows)
+
+
+def test_a_batch_of_like_rows_drafts_as_one_row_and_rows_that_stopped_cut_the_block_short():
+    """Rows alike: the batch's rule is the single sequence's. One confident row among rows that stopped: every row
+    pays for each column, one gains, so the batch stops sooner than that row alone would."""
+    planner = DraftPlanner(StaticCosts(drafter=0.1), longest=15)
+    alone = drafted(planner, 0.95)
+    assert drafted_rows(planner, [0.95] * 4, [True] * 4) == alone
+    assert drafted_rows(planner, [0.95] * 4, [True, False, False, False]) < alone
+    assert planner.keep_drafting([0.95]) == planner.keep_drafting_rows([[0.95]], [True])
+
+
 def test_an_overconfident_drafter_is_calibrated_down():
     """A drafter that says 0.95 but sees half its drafts rejected soon drafts less than one taken at its word."""
     naive = DraftPlanner(StaticCosts(drafter=0.2), longest=15)

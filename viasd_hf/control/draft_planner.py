@@ -20,10 +20,12 @@ Drafting one more token raises the block's throughput ``E/C`` iff ``P_{k+1}·C(k
 of its last. (The mean acceptance measured at position ``k + 1`` foretells it worse, and feeds on
 itself: a position seldom reached keeps a pessimistic prior, so it stays seldom reached. Replayed
 on recorded Spec-Bench, HumanEval and XSum traces, the last confidence drafts longer and decodes
-4–14 % faster.) So a cheap drafter drafts longer,
-a confident one too, and a draft the drafter is unsure of ends the block (HF's confidence stop,
-with the threshold derived instead of fixed at 0.4). The first token is always drafted, so the
-calibration keeps learning; whether a block drafts at all is measured, not planned
+4–14 % faster.) So a cheap drafter drafts longer, a confident one too, and a draft the drafter is
+unsure of ends the block (HF's confidence stop, with the threshold derived instead of fixed at
+0.4). A batch verifies every row's draft in one pass as wide as the longest, so it sums both sides
+over its rows and drafts one more column only if the rows still drafting gain what the column
+costs them all (``keep_drafting_rows``). The first token is always drafted, so the calibration
+keeps learning; whether a block drafts at all is measured, not planned
 (``speculation_switch.SpeculationSwitch``: where costs are measured, plain decoding whenever it is faster).
 
 Where the costs come from (``PassCosts``): measured on the fly (``MeasuredCosts``: running
@@ -202,29 +204,44 @@ class DraftPlanner:
     switch: SpeculationSwitch | None = None
 
     def keep_drafting(self, confidences: list[float]) -> bool:
-        drafted = len(confidences)
+        """Whether a draft whose tokens had ``confidences`` goes on (the module docstring's rule)."""
+        return self.keep_drafting_rows([confidences], [True])
+
+    def keep_drafting_rows(self, confidences: list[list[float]], drafting: list[bool]) -> bool:
+        """Whether a batch drafts one more column for the rows still ``drafting`` (``confidences``: each row's).
+
+        A batch verifies every row's draft in one pass as wide as the longest, so one more column costs
+        the whole block ``d + b`` while only the rows still drafting gain: it is worth it iff
+        ``Σ P_{k+1}·C(k) > Σ E(k)·(d + b)``, summed over the rows (the rows that stopped count in the
+        block's tokens, not in the gain). A single sequence is a batch of one."""
+        drafted = max(len(row) for row in confidences)
         if drafted >= self.longest:
             return False
         if drafted == 0:
             return True
+        expected, next_kept = 0.0, 0.0
+        for row, going_on in zip(confidences, drafting):
+            row_expected, row_next = self._expectation(row)
+            expected += row_expected
+            next_kept += row_next if going_on else 0.0
+        draft, base, per_token = self.costs.drafter_pass(), self.costs.verify_base(), self.costs.verify_per_token()
+        block_cost = drafted * draft + base + per_token * (drafted + 1)
+        return next_kept * block_cost > expected * (draft + per_token)
+
+    def _expectation(self, confidences: list[float]) -> tuple[float, float]:
+        """``E(k)`` for a draft of these confidences and the estimate of ``P_{k+1}``."""
         all_kept, expected = 1.0, 1.0
         for confidence in confidences:
             all_kept *= self.acceptance.kept(confidence)
             expected += all_kept
-        next_kept = all_kept * self.acceptance.kept(confidences[-1])
-        draft, base, per_token = self.costs.drafter_pass(), self.costs.verify_base(), self.costs.verify_per_token()
-        block_cost = drafted * draft + base + per_token * (drafted + 1)
-        return next_kept * block_cost > expected * (draft + per_token)
+        return expected, all_kept * self.acceptance.kept(confidences[-1]) if confidences else 1.0
 
     def leaf_threshold(self, confidences: list[float]) -> float:
         """The least chance of being taken for which a leaf beside this draft (``branching``) is worth its row.
 
         A leaf adds one token to the verifying pass (``b``) and, when taken, one committed token, so
         it raises the block's throughput ``E/C`` iff ``chance · C(k) > E(k) · b``."""
-        all_kept, expected = 1.0, 1.0
-        for confidence in confidences:
-            all_kept *= self.acceptance.kept(confidence)
-            expected += all_kept
+        expected = self._expectation(confidences)[0]
         drafted, per_token = len(confidences), self.costs.verify_per_token()
         block_cost = drafted * self.costs.drafter_pass() + self.costs.verify_base() + per_token * (drafted + 1)
         return expected * per_token / block_cost

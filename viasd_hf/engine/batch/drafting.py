@@ -1,13 +1,17 @@
 """Drafters for a batch: an assistant model on a ragged cache of its own, prompt lookup per row, and the two together.
 
 Each block drafts for every row at once. The block has one length, the longest any row drafts:
-each row drafts until its own stop (its length limit, an end token, or the stop rule: the draft
-planner where there is one, else the assistant's confidence threshold, as HF assisted generation),
-and the assistant's passes go on while any row still drafts; a row that stopped feeds holes.
+each row drafts until its own stop (its length limit, an end token, or, without a draft planner,
+the assistant's confidence threshold, as HF assisted generation), and the assistant's passes go on
+while any row still drafts; a row that stopped feeds holes. With a planner the batch stops together,
+when one more column is no longer worth what it costs the whole block
+(``DraftPlanner.keep_drafting_rows``): every row pays for the verifying pass's width, but only the
+rows still drafting gain from it, so batches draft shorter than their rows would alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,7 +20,6 @@ from torch import nn
 from transformers import LogitsProcessorList
 
 from viasd_hf.drafters import (
-    KeepDrafting,
     PromptLookupDrafter,
     drafted_token,
     kept_prefix,
@@ -25,6 +28,10 @@ from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
 from viasd_hf.engine.sampling import RandomStream
+
+
+# each row's draft confidences so far and whether the row may go on -> does the batch draft one more column?
+KeepDraftingRows = Callable[[list[list[float]], list[bool]], bool]
 
 
 @dataclass
@@ -57,7 +64,7 @@ class BatchDrafter(Protocol):
         took."""
 
     def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
-              keep_drafting: KeepDrafting | None) -> BatchDraft:
+              keep_drafting: KeepDraftingRows | None) -> BatchDraft:
         """Up to ``limits[r]`` tokens after each active row ``r``: the argmax, or drawn with ``rng`` where sampling."""
 
     def commit(self, rows: Rows) -> None:
@@ -106,7 +113,7 @@ class BatchAssistant:
 
     @torch.no_grad()
     def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
-              keep_drafting: KeepDrafting | None) -> BatchDraft:
+              keep_drafting: KeepDraftingRows | None) -> BatchDraft:
         """One pass per drafted token for all rows; the first also feeds what each row committed since its last."""
         feeds = [row.tokens()[len(fed) :] for row, fed in zip(rows.active, self.fed)]
         draft = BatchDraft.empty(len(feeds))
@@ -118,16 +125,20 @@ class BatchAssistant:
             for fed, feed in zip(self.fed, feeds):
                 fed.extend(feed)
             last = logits[torch.arange(len(feeds)), real.sum(-1) - 1]  # each row's newest real column
-            feeds = [[] for _ in feeds]
             for i, row in enumerate(rows.active):
                 if drafting[i]:
-                    drafting[i] = self._next(row, last[i : i + 1], draft.rows[i], limits[i], rng, keep_drafting)
-                    feeds[i] = draft.rows[i].tokens[-1:] if drafting[i] else []
+                    drafting[i] = self._next(row, last[i : i + 1], draft.rows[i], limits[i], rng, keep_drafting is None)
+            if keep_drafting is not None and any(drafting):
+                if not keep_drafting([row.confidences for row in draft.rows], drafting):
+                    drafting = [False] * len(drafting)
+            feeds = [row.tokens[-1:] if going_on else [] for row, going_on in zip(draft.rows, drafting)]
         return draft
 
     def _next(self, row: Row, logits: torch.Tensor, draft: Draft, limit: int, rng: RandomStream | None,
-              keep_drafting: KeepDrafting | None) -> bool:
-        """Draft the row's next token from ``logits`` into ``draft``; whether the row drafts another."""
+              stop_when_unsure: bool) -> bool:
+        """Draft the row's next token from ``logits`` into ``draft``; whether the row may draft another (not after an
+        end token or at its limit; with ``stop_when_unsure``, not after a token below the confidence threshold, as
+        HF assisted generation: otherwise the planner decides for the batch)."""
         scores = self.logits_processor(row.extended(draft.tokens), logits.float())
         chosen = drafted_token(scores, rng is not None, rng)
         if chosen is None:
@@ -137,8 +148,8 @@ class BatchAssistant:
         draft.probs.append(probs)
         if token in self.end_tokens or len(draft.tokens) >= limit:
             return False
-        if keep_drafting is not None:
-            return keep_drafting(draft.confidences)
+        if not stop_when_unsure:
+            return True
         return self.confidence_threshold is None or draft.confidences[-1] >= self.confidence_threshold
 
     def commit(self, rows: Rows) -> None:
@@ -173,7 +184,7 @@ class BatchLookup:
         return 0
 
     def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
-              keep_drafting: KeepDrafting | None) -> BatchDraft:
+              keep_drafting: KeepDraftingRows | None) -> BatchDraft:
         return BatchDraft([self.lookup.draft(row.ids[:, row.padding :], limit, None) if limit > 0 else Draft([], [])
                            for row, limit in zip(rows.active, limits)])
 
@@ -203,7 +214,7 @@ class BatchHybrid:
         return self.assistant.read(rows)
 
     def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
-              keep_drafting: KeepDrafting | None) -> BatchDraft:
+              keep_drafting: KeepDraftingRows | None) -> BatchDraft:
         copied = self.lookup.draft(rows, limits, rng, keep_drafting)
         model_limits = [0 if tokens else limit for tokens, limit in zip(copied.tokens, limits)]
         if not any(model_limits):

@@ -170,7 +170,7 @@ class BatchedDecoder:
         longest = longest_draft(self.config, self.planner, slim_may_run)
         limits = [max(0, min(longest, self.max_length - row.length - 1)) for row in self.rows.active]
         started = time.perf_counter()
-        keep_drafting = self.planner.keep_drafting if self.planner is not None else None
+        keep_drafting = self.planner.keep_drafting_rows if self.planner is not None else None
         draft = self.drafter.draft(self.rows, limits, self.rng, keep_drafting)
         seconds = time.perf_counter() - started
         self.record_draft(draft.forwards, seconds)
