@@ -278,7 +278,8 @@ def test_a_lossless_slim_tier_that_cannot_pay_is_probed_at_most_once_on_smollm2(
     mask = RoutingMask.from_model(model, skip=list(range(2, 13)))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "List ten fruits, one per line."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    config = ViaSDConfig(routing_mask=mask, mode="lossless")
+    # every block speculates (no plain fallback), so the blocks counted are the tier controller's alone
+    config = ViaSDConfig(routing_mask=mask, mode="lossless", plain_fallback=False)
     stats = model.generate(ids, viasd_config=config, max_new_tokens=96, do_sample=False, return_dict_in_generate=True,
                            prompt_lookup_num_tokens=4).viasd_stats
     assert not stats.tier_switches
