@@ -12,51 +12,34 @@ from collections import Counter
 
 import pytest
 import torch
-from test_sampling import (
+from test_batch import PAD, left_padded
+from test_sampling import (  # noqa: F401 -- models is the fixture: float64 tiny models and a slim mask
     LOOKUP_PROMPT,
     PROMPT,
     TV_BOUND,
     N,
     exact_two_token_distribution,
+    models,
     processors,
     total_variation,
 )
 from transformers import StoppingCriteriaList
 
 import viasd_hf.engine.batch.drafting as drafting
-from conftest import tiny_causal_lm
-from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.drafters import PromptLookupDrafter
 from viasd_hf.engine.batch import BatchedDecoder, batch_drafter
 from viasd_hf.engine.sampling import RandomStream
 
-VOCAB = 8
-PAD = 0
 ROWS = [PROMPT, LOOKUP_PROMPT]  # 5 and 7 tokens: the first row is left-padded; the second's bigram recurs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-@pytest.fixture(scope="module")
-def models():
-    target = tiny_causal_lm("llama", seed=0, dtype=torch.float64, vocab_size=VOCAB)
-    drafter = tiny_causal_lm("llama", seed=7, dtype=torch.float64, vocab_size=VOCAB, num_hidden_layers=2)
-    return target, drafter, RoutingMask.from_model(target, skip=[2, 3])
-
-
-def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(row.shape[1] for row in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - row.shape[1] :], mask[i, width - row.shape[1] :] = row[0], 1
-    return ids, mask
-
-
 def sample_batch(models, config: ViaSDConfig, seed: int, lookup: bool, stats: list) -> list[tuple[int, ...]]:
     """Two new tokens for every row of the batch, drawn with the call's seed; each row's pair."""
     target, drafter, _ = models
-    ids, mask = left_padded(ROWS)
+    ids, mask = left_padded([row[0] for row in ROWS])
     torch.manual_seed(seed)
     chosen = batch_drafter(drafter, PromptLookupDrafter(3) if lookup else None, processors(), None, frozenset(),
                            len(ROWS), ids.device)  # fmt: skip
@@ -116,7 +99,7 @@ def test_generate_samples_a_batch_and_several_sequences_per_prompt(models):
     reproducibly under one seed."""
     target, drafter, _ = models
     enable_viasd(target)
-    ids, mask = left_padded(ROWS)
+    ids, mask = left_padded([row[0] for row in ROWS])
     settings = {"do_sample": True, "temperature": 0.8, "top_k": 6, "max_new_tokens": 6, "pad_token_id": PAD,
                 "return_dict_in_generate": True, "num_return_sequences": 3}  # fmt: skip
     runs = []

@@ -234,7 +234,8 @@ class DraftPlanner:
         for confidence in confidences:
             all_kept *= self.acceptance.kept(confidence)
             expected += all_kept
-        return expected, all_kept * self.acceptance.kept(confidences[-1]) if confidences else 1.0
+        next_kept = all_kept * self.acceptance.kept(confidences[-1]) if confidences else 1.0
+        return expected, next_kept
 
     def leaf_threshold(self, confidences: list[float]) -> float:
         """The least chance of being taken for which a leaf beside this draft (``branching``) is worth its row.
