@@ -26,7 +26,8 @@ def test_copying_is_tried_first_and_stays_while_it_commits_more():
     choice = CopyOrDraft(drafter_cost=0.4)
     copies = run_blocks(choice, 200, copied_commits=6, drafted_commits=4)
     assert copies[: choice.explore_every - 1] == [True] * (choice.explore_every - 1)
-    assert 200 - 6 <= sum(copies) < 200, "the model drafter is tried now and then, less often as copying keeps winning"
+    tries = 200 - sum(copies)
+    assert 1 <= tries <= 8, "the model drafter is tried now and then, less often as copying keeps winning"
 
 
 def test_a_first_copy_that_is_thrown_away_gives_way_at_once():

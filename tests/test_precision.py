@@ -22,6 +22,7 @@ from viasd_hf.models.quantization import (
     Measurement,
     MeasureOptions,
     cached_measure,
+    fastest_drafting_form,
     fastest_unquantized,
     markdown_table,
     resolve_dtype,
@@ -214,6 +215,49 @@ def test_a_drafter_already_in_its_fastest_form_or_in_float64_drafts_as_it_is(mea
     assert drafter_precision.fastest_form(drafter) is drafter and len(calls) == 1
     exact = tiny_causal_lm("llama", dtype=torch.float64)
     assert drafter_precision.fastest_form(exact) is exact and len(calls) == 1, "float64 is not measured"
+
+
+def test_a_drafter_drafts_in_a_quantised_form_only_where_it_is_clearly_faster_and_computes_the_same_model():
+    def quantised(ratio: float, top1: float = 0.9, error: str | None = None) -> Measurement:
+        return Measurement("bnb-4bit", decode_ms=10 * ratio, verify_ms=20 * ratio, decode_ratio=ratio,
+                           verify_ratio=ratio, top1=top1, kl=0.1, error=error)  # fmt: skip
+
+    unquantised = [timed("bf16", 1.0), timed("fp32", 1.6)]
+    name, reason = fastest_drafting_form([*unquantised, quantised(0.6)])
+    assert name == "bnb-4bit" and reason.startswith("its passes take 0.60× those of bf16")
+    for slower_or_wrong in (quantised(0.9), quantised(0.6, top1=0.2), quantised(0.6, error="failed: no kernel")):
+        name, reason = fastest_drafting_form([*unquantised, slower_or_wrong])
+        assert name == "bf16" and "no quantised form qualifies" in reason
+    assert fastest_drafting_form([timed("bf16", 1.0), timed("fp32", 0.5), quantised(0.45)])[0] == "fp32", (
+        "measured against the fastest unquantised form, not bf16")
+
+
+@pytest.mark.machine_precision
+def test_a_drafter_measured_fastest_quantised_drafts_as_a_quantised_copy_with_generates_output(measured, monkeypatch):
+    calls, verdict = measured
+    verdict[0] = "torchao-int8-weight-only"  # runs on every CPU
+    target, drafter = pair()
+    before = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
+    seen = drafting_models(monkeypatch)
+    expected = target.generate(prompt(), max_new_tokens=16, **GREEDY)
+    out = target.generate(prompt(), assistant_model=drafter, viasd_config=lossless(target), max_new_tokens=16,
+                          return_dict_in_generate=True, **GREEDY)  # fmt: skip
+    assert torch.equal(out.sequences, expected) and out.viasd_stats.accepted_tokens > 0
+    (copy,) = seen
+    assert copy is not drafter and copy.hf_quantizer is not None, "drafted with a quantised copy, loaded from a save"
+    assert "torchao-int8-weight-only" in calls[0], "quantised schemes are measured for a drafter in memory"
+    assert "torch-dynamic-int8" not in calls[0], "not torch.ao's dynamic int8, which computes another model"
+    assert all(torch.equal(before[n], t) for n, t in drafter.state_dict().items()), "the user's drafter is untouched"
+
+
+def test_a_tiny_model_in_memory_is_measured_in_a_quantised_form_from_one_saved_copy(home):
+    model = tiny_causal_lm("llama")
+    options = MeasureOptions(prompts=2, prompt_tokens=16, context=16, repeats=2, threads=1)
+    measurements = cached_measure(model, ["torchao-int8-weight-only"], options, progress=False)
+    quantised = measurements[1]
+    assert quantised.scheme == "torchao-int8-weight-only" and quantised.decode_ms > 0 and quantised.layer_ms > 0
+    assert quantised.error is None or quantised.error.startswith(("ruled out", "stopped after")), quantised.error
+    assert quantised.error is not None or quantised.top1 > 0.5, "the quantised copy computes the same model"
 
 
 def test_drafter_precision_is_validated_and_saved():

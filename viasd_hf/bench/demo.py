@@ -23,7 +23,7 @@ from viasd_hf.drafters.precision import fastest_form
 from viasd_hf.generation import enable_viasd
 from viasd_hf.models.loading import load_pretrained
 from viasd_hf.models.quantization import resolve_dtype
-from viasd_hf.models.quantization.choice import unquantized_candidates
+from viasd_hf.models.quantization.choice import resolve_drafting_form
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
@@ -202,8 +202,8 @@ def run_demo(
         drafter = load_pretrained(drafter_name, dtype=target.dtype)[0]
         print("finding the drafter's fastest form on this machine ...", flush=True)
         fast = fastest_form(drafter)
-        why = resolve_dtype(drafter, unquantized_candidates()).reason
-        precision["drafter"] = f"loaded in {dtype_name(drafter)}, VIA-SD drafts in {dtype_name(fast)}: {why}"
+        chosen = resolve_drafting_form(drafter)
+        precision["drafter"] = f"loaded in {dtype_name(drafter)}, VIA-SD drafts in {chosen.scheme.name}: {chosen.reason}"
         drafting = {"HF assisted (drafter as loaded)": {"assistant_model": drafter}}
         if fast is not drafter:
             drafting["HF assisted (VIA-SD's drafter form)"] = {"assistant_model": fast}

@@ -2,15 +2,17 @@
 
 In lossless greedy decoding every committed token is the target's own choice, so the drafter's
 precision changes only how fast drafts come and how many the target keeps. A drafter loaded in
-float32 on a CPU with native bf16, or in bf16 on one without, drafts slower than it could; with
-``ViaSDConfig.drafter_precision="auto"`` VIA-SD drafts with a copy in the unquantised form measured
-fastest here (fp32, bf16, or fp16 where the CPU computes in it): measured by
-:func:`viasd_hf.models.quantization.resolve_dtype` once per architecture and machine (about half a minute
-for a 0.5B model), then read from the cache. One copy per drafter is kept while the drafter lives,
-so the conversion is paid once and later calls reuse it; a drafter whose weights change afterwards
-keeps its first copy, so pass ``"as_loaded"`` for one that is still being trained. The user's model
-is never changed. Tiered mode, sampling and ``"as_loaded"`` draft with the model as given: there the
-drafter's distribution shapes the output.
+float32 on a CPU with native bf16, or in bf16 on one without, drafts slower than it could; so may an
+unquantised drafter where a 4-bit kernel runs its passes in half the time. With
+``ViaSDConfig.drafter_precision="auto"`` VIA-SD drafts with a copy in the form measured fastest here:
+unquantised (fp32, bf16, or fp16 where the CPU computes in it) or quantised (the schemes of
+:mod:`viasd_hf.models.quantization` whose library is installed, made from the drafter saved once to a
+temporary folder), measured by :func:`viasd_hf.models.quantization.choice.resolve_drafting_form` once
+per architecture and machine (about a minute for a 0.5B model), then read from the cache. One copy
+per drafter is kept while the drafter lives, so the conversion is paid once and later calls reuse it;
+a drafter whose weights change afterwards keeps its first copy, so pass ``"as_loaded"`` for one that
+is still being trained. The user's model is never changed. Tiered mode, sampling and ``"as_loaded"``
+draft with the model as given: there the drafter's distribution shapes the output.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import weakref
 from torch import nn
 
 from viasd_hf.config import ViaSDConfig
-from viasd_hf.models.quantization import UNQUANTIZED, resolve_dtype
-from viasd_hf.models.quantization.choice import unquantized_candidates
+from viasd_hf.models.quantization import UNQUANTIZED
+from viasd_hf.models.quantization.choice import resolve_drafting_form
 from viasd_hf.models.quantization.measure import converted
+from viasd_hf.models.quantization.schemes import Scheme
 
 _COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module | None] = weakref.WeakKeyDictionary()  # None: drafts as is
 _LOCK = threading.Lock()
@@ -49,7 +52,12 @@ def fastest_form(drafter: nn.Module) -> nn.Module:
     is in that form already or cannot be converted. Calls wait for one another, so one copy is made."""
     with _LOCK:
         if drafter not in _COPIES:
-            form = resolve_dtype(drafter, unquantized_candidates()).scheme if convertible(drafter) else None
-            _COPIES[drafter] = None if form is None or form.dtype == drafter.dtype else converted(drafter, form)
+            form = resolve_drafting_form(drafter).scheme if convertible(drafter) else None
+            _COPIES[drafter] = None if form is None or in_form(drafter, form) else converted(drafter, form)
         copy = _COPIES[drafter]
     return drafter if copy is None else copy
+
+
+def in_form(drafter: nn.Module, form: Scheme) -> bool:
+    """Whether an unquantised drafter is in ``form`` already."""
+    return form.name in UNQUANTIZED and form.dtype == drafter.dtype

@@ -14,8 +14,10 @@ from viasd_hf.models.quantization.choice import (
     cached_measure,
     choose,
     choose_drafter,
+    fastest_drafting_form,
     fastest_unquantized,
     markdown_table,
+    resolve_drafting_form,
     resolve_dtype,
     resolve_quantization,
 )
@@ -38,6 +40,6 @@ from viasd_hf.models.quantization.schemes import (
 __all__ = [
     "ALIASES", "AUTO", "BASELINE", "FORMS", "SCHEMES", "UNQUANTIZED", "Acceptance", "DraftingAcceptance", "Measurement",
     "MeasureOptions", "QuantizationChoice", "QuantizationError", "QuantizationUnavailableError", "Scheme", "cached_measure",
-    "choose", "choose_drafter", "fastest_unquantized", "get_scheme", "markdown_table", "measure", "measure_in_memory",
-    "resolve_dtype", "resolve_quantization", "scheme_names",
+    "choose", "choose_drafter", "fastest_drafting_form", "fastest_unquantized", "get_scheme", "markdown_table", "measure",
+    "measure_in_memory", "resolve_drafting_form", "resolve_dtype", "resolve_quantization", "scheme_names",
 ]  # fmt: skip

@@ -134,6 +134,64 @@ def fastest_unquantized(measurements: Sequence[Measurement]) -> tuple[str, str]:
     return best.scheme, f"its passes are the fastest of the unquantised forms ({others or 'the only one'})"
 
 
+@dataclass(frozen=True)
+class InMemoryDrafting:
+    """When a drafter in memory may draft in a quantised form rather than its fastest unquantised one.
+
+    Its target is not at hand when the forms are measured, so a quantised form is judged by its passes
+    alone: they must be ``min_gain`` times faster than the unquantised form's, enough to cover the few
+    drafts its rounding costs (Qwen2.5 0.5B in 4 bits keeps its target's top-1 agreement within one point
+    of bf16's), and its next-token argmax must agree with the drafter's own float32 on ``min_top1`` of
+    positions (random tokens), which catches a kernel that computes a different model on this machine.
+    """
+
+    min_gain: float = 1.2
+    min_top1: float = 0.5
+
+    def rejects(self, m: Measurement, unquantized: Measurement) -> str | None:
+        if m.error:
+            return m.error
+        reasons = []
+        if m.cost * self.min_gain > unquantized.cost:
+            reasons.append(f"{unquantized.cost / m.cost:.2f}× the speed of {unquantized.scheme} < {self.min_gain}×")
+        if m.top1 < self.min_top1:
+            reasons.append(f"top-1 agreement with its float32 {m.top1:.3f} < {self.min_top1}")
+        return ", ".join(reasons) or None
+
+
+def fastest_drafting_form(
+    measurements: Sequence[Measurement], acceptance: InMemoryDrafting = InMemoryDrafting()
+) -> tuple[str, str]:
+    """``(form name, reason)`` for a drafter in memory: the fastest quantised form ``acceptance`` allows, else the
+    fastest unquantised form (:func:`fastest_unquantized`)."""
+    name, reason = fastest_unquantized(measurements)
+    unquantized = next(m for m in measurements if m.scheme == name)
+    best, rejected = _fastest_allowed(measurements, lambda m: acceptance.rejects(m, unquantized), lambda m: 1 / m.cost,
+                                      SCHEMES)  # fmt: skip
+    if best is None:
+        return name, reason + (f"; no quantised form qualifies ({rejected})" if rejected else "")
+    reason = (f"its passes take {best.cost / unquantized.cost:.2f}× those of {name}, the fastest unquantised form "
+              f"(decode {best.decode_ms:.0f} ms, verify {best.verify_ms:.0f} ms)")  # fmt: skip
+    return best.scheme, reason + (f" (not: {rejected})" if rejected else "")
+
+
+def drafting_candidates() -> list[str]:
+    """The forms a drafter in memory is measured in besides bf16: the unquantised candidates and every scheme
+    transformers loads (``quantization_config=``) whose library is installed; the screen sets aside those that
+    cannot win on this CPU. Not torch.ao's dynamic int8: its one activation scale per pass computes another model
+    where activations have outliers (SmolLM2 135M: argmax agreement 0.18 with float32), and its one-layer screen
+    time, far below its real passes', would set aside the forms that can win."""
+    return [*unquantized_candidates(), *(name for name, s in SCHEMES.items() if s.available and s.make_config)]
+
+
+def resolve_drafting_form(drafter: nn.Module, **measure_kwargs: Any) -> QuantizationChoice:
+    """The form a drafter in memory drafts fastest in on this machine (:func:`fastest_drafting_form`), measured once
+    per architecture, machine and library versions. ``measure_kwargs`` go to :func:`cached_measure`."""
+    measurements = cached_measure(drafter, drafting_candidates(), **measure_kwargs)
+    name, reason = fastest_drafting_form(measurements)
+    return QuantizationChoice(AUTO, FORMS[name], reason, tuple(measurements))
+
+
 def unquantized_candidates() -> list[str]:
     """fp32, and fp16 where the CPU computes in it (bf16, the baseline, is always measured)."""
     return ["fp32", *(["fp16"] if native_fp16() else [])]

@@ -13,16 +13,17 @@
    prompts or, for a drafter, with the float32 *target* it drafts for (``MeasureOptions.judge``): a
    drafter's output only matters through what its target keeps.
 
-A model can be measured from its checkpoint (every form) or, in memory, in its unquantised forms.
+A model can be measured from its checkpoint or in memory (its quantised forms then load from a copy saved once).
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -348,20 +349,34 @@ def measure(
                          list(schemes) if schemes is not None else list(SCHEMES), options, windows, judge, progress)
 
 
-def converted(model: nn.Module, form: Scheme | None) -> nn.Module:
-    """A copy of an unquantised model in another unquantised form (None: float32), or the model if it is in it."""
-    dtype = form.dtype if form else torch.float32
+def converted(model: nn.Module, form: Scheme | None, checkpoint: Path | None = None) -> nn.Module:
+    """A copy of an unquantised model in another form (None: float32), or the model if it is in that unquantised form
+    already. A quantised form is made as loading makes it, from the model saved with ``save_pretrained``: in
+    ``checkpoint`` when given (so several forms share one save), else in a folder of its own, removed afterwards."""
     if form is not None and form.name not in UNQUANTIZED:
-        raise QuantizationError(f"{form.name} is made when a checkpoint loads; a model in memory converts to "
-                                f"{', '.join(UNQUANTIZED)} only")  # fmt: skip
+        if checkpoint is not None:
+            return load_in(checkpoint, form)
+        with saved_checkpoint(model) as folder:
+            return load_in(folder, form)
+    dtype = form.dtype if form else torch.float32
     return model if model.dtype == dtype else copy.deepcopy(model).to(dtype).eval()
+
+
+@contextmanager
+def saved_checkpoint(model: nn.Module) -> Iterator[Path]:
+    """The model saved in a temporary folder (its config and safetensors weights), removed on leaving."""
+    with tempfile.TemporaryDirectory(prefix="viasd-form-") as folder:
+        model.save_pretrained(folder)
+        yield Path(folder)
 
 
 def measure_in_memory(
     model: nn.Module, names: Sequence[str], options: MeasureOptions | None = None, progress: bool = True
 ) -> list[Measurement]:
-    """bf16 and the unquantised forms ``names`` of a model in memory (copies; the model is left as it is).
-    Agreement is measured on random tokens, so it only shows that a form computes the same model."""
+    """bf16 and the forms ``names`` of a model in memory (copies; the model is left as it is; quantised forms from one
+    saved checkpoint). Agreement is measured on random tokens, so it only shows that a form computes the same model."""
     options = options or MeasureOptions()
-    return measure_forms(lambda form: converted(model, form), model.config, names, options,
-                         random_windows(model.config, options), progress=progress)  # fmt: skip
+    quantised = any(name in SCHEMES for name in names)
+    with saved_checkpoint(model) if quantised else nullcontext() as checkpoint:
+        return measure_forms(lambda form: converted(model, form, checkpoint), model.config, names, options,
+                             random_windows(model.config, options), progress=progress)  # fmt: skip
