@@ -252,12 +252,15 @@ def test_a_drafter_measured_fastest_quantised_drafts_as_a_quantised_copy_with_ge
 
 def test_a_tiny_model_in_memory_is_measured_in_a_quantised_form_from_one_saved_copy(home):
     model = tiny_causal_lm("llama")
-    options = MeasureOptions(prompts=2, prompt_tokens=16, context=16, repeats=2, threads=1)
+    # never set aside, whatever this CPU's kernels: every round is timed and agreement measured
+    options = MeasureOptions(prompts=2, prompt_tokens=16, context=16, repeats=2, threads=1, screen_margin=1e9,
+                             losing=1e9)  # fmt: skip
     measurements = cached_measure(model, ["torchao-int8-weight-only"], options, progress=False)
     quantised = measurements[1]
-    assert quantised.scheme == "torchao-int8-weight-only" and quantised.decode_ms > 0 and quantised.layer_ms > 0
-    assert quantised.error is None or quantised.error.startswith(("ruled out", "stopped after")), quantised.error
-    assert quantised.error is not None or quantised.top1 > 0.5, "the quantised copy computes the same model"
+    assert quantised.scheme == "torchao-int8-weight-only" and quantised.error is None
+    assert quantised.decode_ms > 0 and quantised.verify_ms > 0
+    assert quantised.top1 > 0.5, "the copy loaded from the saved model computes the same model"
+    assert model.dtype == torch.float32 and getattr(model, "hf_quantizer", None) is None, "the model is left as it was"
 
 
 def test_drafter_precision_is_validated_and_saved():
