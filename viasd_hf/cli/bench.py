@@ -55,7 +55,9 @@ from viasd_hf.data.tasks import DATASETS, Example, load_examples, load_jsonl
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
 from viasd_hf.models import zoo
-from viasd_hf.models.quantization import QuantizationChoice, QuantizationUnavailableError, resolve_quantization
+from viasd_hf.drafters.precision import convertible
+from viasd_hf.models.quantization import (QuantizationChoice, QuantizationUnavailableError, resolve_drafting_form,
+                                          resolve_quantization)
 
 # base decoders (MethodName.base) that draft with the drafter model / need a routing mask for the pair
 DRAFTER_METHODS = frozenset({
@@ -87,10 +89,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument("--prompts", help="JSONL with 'prompt', optional 'reference' and 'task' (instead of --dataset)")
     parser.add_argument("--limit", type=positive_int, help="examples per task (default: all)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--repeats", type=positive_int, default=1,
-                        help="timed runs per prompt and method (the median is kept)")
-    parser.add_argument("--temperature", type=positive_float,
-                        help="sample at this temperature (every method, seeded alike)")
+    parser.add_argument("--repeats", type=positive_int, default=1, help="timed runs per prompt and method (the median is kept)")
+    parser.add_argument("--temperature", type=positive_float, help="sample at this temperature (every method, seeded alike)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="auto (default): each model in the faster of float32 and bf16 measured on this machine")
     parser.add_argument("--quantize", type=quantize_spec, default={}, metavar="drafter=SCHEME,target=SCHEME",
@@ -101,10 +101,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument("--mask", help="VIA-SD routing mask (folder / JSON / Hub id; default: the mask known for the pair)")
     parser.add_argument("--mask-set", help="viasd_mask_set's masks (folder / Hub id; default: the pair's set, if known)")
     parser.add_argument("--self-draft-mask", help="self_spec's drafting mask (default: the target's known self mask)")
-    parser.add_argument("--gamma", type=positive_int, default=5,
-                        help="draft tokens per block for every drafting method of ours")
-    parser.add_argument("--draft-threshold", type=probability, default=0.4,
-                        help="stop drafting below this drafter confidence")
+    parser.add_argument("--gamma", type=positive_int, default=5, help="draft tokens per block for every drafting method of ours")
+    parser.add_argument("--draft-threshold", type=probability, default=0.4, help="stop drafting below this drafter confidence")
     parser.add_argument("--cascade-lenience", type=probability, default=0.3, help="α of the cascade baseline")
     parser.add_argument("--prompt-lookup-tokens", type=positive_int, default=10)
     parser.add_argument("--drafter-context", type=tokens_or_none, default=ViaSDConfig.drafter_context, metavar="N|none",
@@ -295,6 +293,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                               args.drafter_context)
     methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set).build(names)
     runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature)
+    if convertible(drafter):  # reported beside --quantize's choices: the copy our lossless greedy decoders drafted with
+        quantized["drafter, as VIA-SD drafts (drafter_precision='auto')"] = resolve_drafting_form(drafter)
     weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0) for name in names}
     if unquantized:
         weights[UNQUANTIZED_REFERENCE] = sum(map(_weight_bytes, unquantized))

@@ -354,10 +354,11 @@ def converted(model: nn.Module, form: Scheme | None, checkpoint: Path | None = N
     already. A quantised form is made as loading makes it, from the model saved with ``save_pretrained``: in
     ``checkpoint`` when given (so several forms share one save), else in a folder of its own, removed afterwards."""
     if form is not None and form.name not in UNQUANTIZED:
-        if checkpoint is not None:
-            return load_in(checkpoint, form)
-        with saved_checkpoint(model) as folder:
-            return load_in(folder, form)
+        with nullcontext(checkpoint) if checkpoint is not None else saved_checkpoint(model) as folder:
+            loaded = load_in(folder, form)
+        loaded.config._name_or_path = model.config._name_or_path  # the name masks and vocabularies are found by
+        loaded.name_or_path = getattr(model, "name_or_path", model.config._name_or_path)
+        return loaded
     dtype = form.dtype if form else torch.float32
     return model if model.dtype == dtype else copy.deepcopy(model).to(dtype).eval()
 
