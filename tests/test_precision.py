@@ -245,6 +245,7 @@ def test_a_drafter_measured_fastest_quantised_drafts_as_a_quantised_copy_with_ge
     assert torch.equal(out.sequences, expected) and out.viasd_stats.accepted_tokens > 0
     (copy,) = seen
     assert copy is not drafter and copy.hf_quantizer is not None, "drafted with a quantised copy, loaded from a save"
+    assert drafter_precision.drafting_copy(drafter) is copy, "the copy is known, for reports"
     assert copy.config._name_or_path == drafter.config._name_or_path == copy.name_or_path, "under the drafter's name, by which its pair's masks are found"
     assert "torchao-int8-weight-only" in calls[0], "quantised schemes are measured for a drafter in memory"
     assert "torch-dynamic-int8" not in calls[0], "not torch.ao's dynamic int8, which computes another model"

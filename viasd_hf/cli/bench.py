@@ -52,18 +52,20 @@ from viasd_hf.cli.args import (
 )
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.data.tasks import DATASETS, Example, load_examples, load_jsonl
+from viasd_hf.drafters.precision import drafting_copy
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
 from viasd_hf.models import zoo
-from viasd_hf.drafters.precision import convertible
-from viasd_hf.models.quantization import (QuantizationChoice, QuantizationUnavailableError, resolve_drafting_form,
-                                          resolve_quantization)
+from viasd_hf.models.quantization import (
+    QuantizationChoice,
+    QuantizationUnavailableError,
+    resolve_drafting_form,
+    resolve_quantization,
+)
 
 # base decoders (MethodName.base) that draft with the drafter model / need a routing mask for the pair
-DRAFTER_METHODS = frozenset({
-    "hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set", UNQUANTIZED_REFERENCE,
-    STEERED_REFERENCE,
-})
+DRAFTER_METHODS = frozenset({"hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set",
+                             UNQUANTIZED_REFERENCE, STEERED_REFERENCE})
 MASK_METHODS = frozenset({"viasd", "viasd_lossless"})
 _OWN_MASK = "pass a mask searched for the target (`viasd search` or `viasd pull`)"
 
@@ -94,9 +96,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="auto (default): each model in the faster of float32 and bf16 measured on this machine")
     parser.add_argument("--quantize", type=quantize_spec, default={}, metavar="drafter=SCHEME,target=SCHEME",
-                        help="load the drafter and/or target quantised for every method (a scheme of "
-                        "viasd_hf.models.quantization, int8, 4bit or auto); add the method "
-                        f"{UNQUANTIZED_REFERENCE} to compare with HF assisted generation on the bf16 pair")
+                        help="load the drafter and/or target quantised for every method (a scheme of viasd_hf.models."
+                        f"quantization, int8, 4bit or auto); add {UNQUANTIZED_REFERENCE} to compare with HF on the bf16 pair")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     parser.add_argument("--mask", help="VIA-SD routing mask (folder / JSON / Hub id; default: the mask known for the pair)")
     parser.add_argument("--mask-set", help="viasd_mask_set's masks (folder / Hub id; default: the pair's set, if known)")
@@ -106,12 +107,10 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser.add_argument("--cascade-lenience", type=probability, default=0.3, help="α of the cascade baseline")
     parser.add_argument("--prompt-lookup-tokens", type=positive_int, default=10)
     parser.add_argument("--drafter-context", type=tokens_or_none, default=ViaSDConfig.drafter_context, metavar="N|none",
-                        help="prompt tokens our decoders' assistant drafter reads (ViaSDConfig.drafter_context; "
-                             "default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_ints, metavar="B[,B...]",
-                        help="instead of the methods: lossless VIA-SD on left-padded batches of B prompts (a list "
-                        "sweeps, e.g. 1,2,4,8) against batched greedy generate at the same B, HF assisted generation "
-                        "one prompt at a time and VIA-SD at batch size 1")
+                        help="prompt tokens our assistant drafter reads (ViaSDConfig.drafter_context; default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_ints, metavar="B[,B...]", help="instead of the methods: lossless "
+                        "VIA-SD on left-padded batches of B prompts (a list sweeps, e.g. 1,2,4,8) against batched "
+                        "greedy generate at the same B, HF assisted one prompt at a time and VIA-SD at batch size 1")
     parser.add_argument("--json", help="write every figure, the environment and the command here")
     parser.add_argument("--plots", help="folder for speedup_vs_quality.png and tier_fractions.png")
     parser.set_defaults(handler=run_bench_command)
@@ -293,7 +292,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                               args.drafter_context)
     methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set).build(names)
     runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature)
-    if convertible(drafter):  # reported beside --quantize's choices: the copy our lossless greedy decoders drafted with
+    if drafting_copy(drafter) is not None:  # reported beside --quantize's choices: what our lossless decoders drafted with
         quantized["drafter, as VIA-SD drafts (drafter_precision='auto')"] = resolve_drafting_form(drafter)
     weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0) for name in names}
     if unquantized:

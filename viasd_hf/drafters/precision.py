@@ -61,3 +61,10 @@ def fastest_form(drafter: nn.Module) -> nn.Module:
 def in_form(drafter: nn.Module, form: Scheme) -> bool:
     """Whether an unquantised drafter is in ``form`` already."""
     return form.name in UNQUANTIZED and form.dtype == drafter.dtype
+
+
+def drafting_copy(drafter: nn.Module) -> nn.Module | None:
+    """The copy :func:`fastest_form` made of ``drafter``; None where it made none (not called yet, or the drafter
+    drafts as it is)."""
+    with _LOCK:
+        return _COPIES.get(drafter)
