@@ -131,9 +131,8 @@ def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_out
     expected = target.generate(prompt_ids, max_new_tokens=60, do_sample=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        config = ViaSDConfig(mode="lossless", use_slim=False, prompt_lookup_num_tokens=None)  # every draft costs passes
-        out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=60,
-                              do_sample=False, return_dict_in_generate=True)  # fmt: skip
+        out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=ViaSDConfig(mode="lossless", use_slim=False),
+                              max_new_tokens=60, do_sample=False, return_dict_in_generate=True)  # fmt: skip
     stats = out.viasd_stats
     assert torch.equal(out.sequences, expected)
     assert stats.plain_blocks > stats.blocks / 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from conftest import tiny_causal_lm
@@ -26,8 +25,7 @@ def test_copying_is_tried_first_and_stays_while_it_commits_more():
     choice = CopyOrDraft(drafter_cost=0.4)
     copies = run_blocks(choice, 200, copied_commits=6, drafted_commits=4)
     assert copies[: choice.explore_every - 1] == [True] * (choice.explore_every - 1)
-    tries = 200 - sum(copies)
-    assert 1 <= tries <= 8, "the model drafter is tried now and then, less often as copying keeps winning"
+    assert 200 - 6 <= sum(copies) < 200, "the model drafter is tried now and then, less often as copying keeps winning"
 
 
 def test_a_first_copy_that_is_thrown_away_gives_way_at_once():
@@ -95,7 +93,9 @@ def test_lossless_hybrid_decoding_is_still_greedy_decoding(monkeypatch):
     target = enable_viasd(tiny_causal_lm("llama", seed=0))
     drafter = tiny_causal_lm("llama", seed=1)
     prompt = torch.tensor([[3, 17, 5, 3, 17, 5, 9, 3, 17]])
-    copied = copied_blocks(monkeypatch)
+    copied = []  # per block the hybrid drafter committed: copied (True) or drafted by the assistant (False)
+    observe = CopyOrDraft.observe
+    monkeypatch.setattr(CopyOrDraft, "observe", lambda self, copy, *rest: copied.append(copy) or observe(self, copy, *rest))
     greedy = target.generate(prompt, max_new_tokens=40, do_sample=False)
     hybrid = target.generate(prompt, assistant_model=drafter, prompt_lookup_num_tokens=4, max_new_tokens=40,
                              do_sample=False, return_dict_in_generate=True,
@@ -104,31 +104,3 @@ def test_lossless_hybrid_decoding_is_still_greedy_decoding(monkeypatch):
     assert torch.equal(hybrid.sequences, greedy)
     assert True in copied and False in copied, "blocks of both kinds: copied and drafted by the assistant"
     assert hybrid.viasd_stats.drafted_tokens > hybrid.viasd_stats.drafter_forwards, "copied drafts cost no pass"
-
-
-def copied_blocks(monkeypatch) -> list[bool]:
-    """Per block a hybrid drafter committed: copied (True) or drafted by the assistant (False)."""
-    copied = []
-    observe = CopyOrDraft.observe
-    monkeypatch.setattr(CopyOrDraft, "observe", lambda self, copy, *rest: copied.append(copy) or observe(self, copy, *rest))
-    return copied
-
-
-@pytest.mark.parametrize("lookup", [10, None])
-def test_an_assistant_copies_where_the_context_repeats_by_default(monkeypatch, lookup):
-    """``ViaSDConfig()`` drafts with the assistant and copies where the context repeats, without ``generate`` asking;
-    ``prompt_lookup_num_tokens=None`` drafts every block with the assistant, as HF assisted generation."""
-    target = enable_viasd(tiny_causal_lm("llama", seed=0))
-    drafter = tiny_causal_lm("llama", seed=1)
-    prompt = torch.tensor([[3, 17, 5, 3, 17, 5, 9, 3, 17]])
-    copied = copied_blocks(monkeypatch)
-    greedy = target.generate(prompt, max_new_tokens=40, do_sample=False)
-    out = target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False,
-                          return_dict_in_generate=True,
-                          viasd_config=ViaSDConfig(use_slim=False, plain_fallback=False, prompt_lookup_num_tokens=lookup))
-    assert torch.equal(out.sequences, greedy)
-    stats = out.viasd_stats
-    if lookup is None:
-        assert copied == [] and stats.drafted_tokens <= stats.drafter_forwards, "every draft token cost a drafter pass"
-    else:
-        assert True in copied and stats.drafted_tokens > stats.drafter_forwards, "copied drafts cost no pass"

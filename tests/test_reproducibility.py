@@ -92,8 +92,7 @@ def test_ten_identically_seeded_calls_give_one_text(models, lying_clock, case, d
 def test_the_seed_decides_the_sampled_text(models, mode):
     """A sanity check on the test above: sampling does sample, so one text from one seed means something."""
     stats = []
-    assistant_only = {"mode": mode, "prompt_lookup_num_tokens": None}  # every draft the assistant's: none copied
-    texts = {tuple(generate(models, seed, "assistant", assistant_only, stats, **SAMPLING)) for seed in range(4)}
+    texts = {tuple(generate(models, seed, "assistant", {"mode": mode}, stats, **SAMPLING)) for seed in range(4)}
     assert len(texts) == 4
     assert all(call.drafted_tokens and call.accepted_tokens for call in stats), "the assistant's drafts were kept"
     assert any(call.accepted_tokens < call.drafted_tokens for call in stats), "and rejected: the seed drew both"

@@ -352,8 +352,6 @@ def test_viasd_inside_a_users_routed_block_is_refused(target, mask):
     ("mode", "bogus", ValueError),
     ("confidence", "vibes", ValueError),
     ("num_draft_tokens", 0, ValueError),
-    ("prompt_lookup_num_tokens", 0, ValueError),
-    ("prompt_lookup_num_tokens", "10", TypeError),
     ("tau_accept", 1.5, ValueError),
 ])
 def test_config_fields_are_checked_at_construction_and_again_at_generate(target, mask, field, value, error):

@@ -29,7 +29,7 @@ DRAFTER_PRECISIONS = ("auto", "as_loaded")
 _PATH = (str, os.PathLike, type(None))
 _FIELD_TYPES = (
     (("num_draft_tokens", "max_slim_backlog"), INT),
-    (("drafter_context", "prompt_lookup_num_tokens"), INT.or_none()),
+    (("drafter_context",), INT.or_none()),
     (("use_slim", "adaptive", "runner_up", "plain_fallback"), BOOL),
     (("tau_accept", "tau_escalate"), REAL),
     (("draft_confidence_threshold", "cascade_lenience"), REAL.or_none()),
@@ -116,14 +116,6 @@ class ViaSDConfig(HubMixin):
     (``viasd_hf.control.speculation_switch``), so VIA-SD is not slower than plain decoding wherever speculation cannot pay.
     ``False`` speculates on every block, for instance to study a drafter.
 
-    ``prompt_lookup_num_tokens``: with an assistant model and ``adaptive=True``, a block whose context
-    repeats itself (its trailing n-gram occurred before) may be drafted by copying up to this many tokens
-    that followed it (prompt lookup, for no drafter pass), while copied blocks commit more per unit of
-    cost than the assistant's (``viasd_hf.control.hybrid_choice``): hybrid drafting, which pays where
-    text is copied (code, summaries, RAG) and gives way elsewhere. Verification is unchanged, so lossless
-    output is too. ``generate(prompt_lookup_num_tokens=...)`` takes precedence; ``None``: the assistant
-    drafts every block, as HF assisted generation. Batched calls copy only when ``generate`` asks.
-
     ``drafter_precision``: ``"auto"`` lets lossless greedy decoding draft with a copy of an assistant model
     in the unquantised form (fp32, bf16, fp16) measured fastest on this machine, made once per drafter
     (``viasd_hf.drafters.precision``); its precision cannot change lossless greedy output. ``"as_loaded"``
@@ -151,7 +143,6 @@ class ViaSDConfig(HubMixin):
     vocabulary: DraftVocabulary | str | None = "auto"  # see above: "auto", None, a DraftVocabulary, a path or repo id
     vocabulary_tiers: tuple[str, ...] = VOCABULARY_TIERS  # the tiers that decode over the vocabulary
     drafter_context: int | None = None  # see above: the most prompt tokens an assistant drafter reads; None: all
-    prompt_lookup_num_tokens: int | None = 10  # with an assistant: copy where the context repeats and copying pays
     runner_up: bool = True  # greedy: the full pass also verifies the drafter's second choice (see above)
     plain_fallback: bool = True  # decode plainly while speculation is measured slower (see above)
     drafter_precision: str = "auto"  # lossless greedy: draft in the fastest form measured here, or "as_loaded"
@@ -177,9 +168,6 @@ class ViaSDConfig(HubMixin):
         check_fields(self, _FIELD_TYPES, "ViaSDConfig.{}")
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.prompt_lookup_num_tokens is not None and self.prompt_lookup_num_tokens < 1:
-            raise ValueError(f"prompt_lookup_num_tokens must be >= 1 (the tokens a copied draft holds) or None (no "
-                             f"copying), got {self.prompt_lookup_num_tokens}")
         if self.draft_confidence_threshold is not None and not 0.0 <= self.draft_confidence_threshold < 1.0:
             raise ValueError(f"draft_confidence_threshold must lie in [0, 1), got {self.draft_confidence_threshold}")
         if self.mode not in MODES:

@@ -93,22 +93,15 @@ def end_tokens(generation_config: GenerationConfig) -> frozenset[int]:
 
 
 def prompt_lookup(
-    model: nn.Module, tokens: int | None, generation_config: GenerationConfig, logits_processor: LogitsProcessorList
+    model: nn.Module, generation_config: GenerationConfig, logits_processor: LogitsProcessorList
 ) -> PromptLookupDrafter | None:
-    """Prompt lookup copying up to ``tokens`` per draft (``None`` for none), each copy cut before a token the
-    logits processors forbid and after an end token."""
-    if not tokens:
+    """Prompt lookup copying ``prompt_lookup_num_tokens`` per draft (``None`` without it), each copy cut before a
+    token the logits processors forbid and after an end token."""
+    if not generation_config.prompt_lookup_num_tokens:
         return None
     vocab_size = model_config(model).get_text_config().vocab_size
-    return PromptLookupDrafter(tokens, logits_processor, vocab_size, end_tokens=end_tokens(generation_config))
-
-
-def copied_tokens(config: ViaSDConfig, generation_config: GenerationConfig, assistant_model: nn.Module | None) -> int | None:
-    """How many tokens a prompt-lookup draft copies: ``generate``'s ``prompt_lookup_num_tokens``, else, where an
-    assistant drafts and the cost model judges whether copying pays, the config's (hybrid drafting by default)."""
-    if generation_config.prompt_lookup_num_tokens:
-        return generation_config.prompt_lookup_num_tokens
-    return config.prompt_lookup_num_tokens if assistant_model is not None and config.adaptive else None
+    return PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, logits_processor, vocab_size,
+                               end_tokens=end_tokens(generation_config))
 
 
 def build_drafter(
@@ -122,15 +115,13 @@ def build_drafter(
 ) -> Drafter:
     """Choose the drafter as HF users expect: assistant model, else prompt lookup, else the self-drafter.
 
-    ``assistant_model`` together with prompt lookup (:func:`copied_tokens`: ``generate``'s
-    ``prompt_lookup_num_tokens``, or by default the config's) drafts by prompt lookup where the context
-    repeats itself and with the assistant elsewhere (``HybridDrafter``); with ``adaptive=True``, only
-    while copying commits more per unit of cost (``hybrid_choice``). ``head``: the drafting
+    ``assistant_model`` together with ``prompt_lookup_num_tokens`` drafts by prompt lookup where the
+    context repeats itself and with the assistant elsewhere (``HybridDrafter``); with ``adaptive=True``,
+    only while copying commits more per unit of cost (``hybrid_choice``). ``head``: the drafting
     model's LM head cut to a draft vocabulary.
     """
     ends = end_tokens(generation_config)
-    lookup = prompt_lookup(model, copied_tokens(config, generation_config, assistant_model), generation_config,
-                           logits_processor)
+    lookup = prompt_lookup(model, generation_config, logits_processor)
     if assistant_model is None:
         if lookup is not None:
             return lookup
@@ -292,8 +283,7 @@ def generate_batch(
         slim_mask = slim_mask.default_mask if isinstance(slim_mask, MaskSet) else slim_mask
     prompt_mask = model_kwargs.get("attention_mask")
     prompt_mask = torch.ones_like(input_ids) if prompt_mask is None else prompt_mask
-    lookup = prompt_lookup(model, generation_config.prompt_lookup_num_tokens, generation_config, logits_processor)
-    chosen = batch_drafter(drafter, lookup, logits_processor,
+    chosen = batch_drafter(drafter, prompt_lookup(model, generation_config, logits_processor), logits_processor,
                            config.draft_confidence_threshold, end_tokens(generation_config), input_ids.shape[0],
                            input_ids.device)
     rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call

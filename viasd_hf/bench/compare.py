@@ -23,7 +23,6 @@ LEVERS = (
     ("slim tier always on, fixed draft rule (tiered)", "viasd_nocost", "two_tier_nocost"),
     ("slim tier (lossless, hybrid)", "viasd_lossless_hybrid", "two_tier_hybrid"),
     ("hybrid drafting (lossless)", "viasd_lossless_hybrid", "viasd_lossless"),
-    ("copying where the context repeats, by default (lossless)", "viasd_lossless", "viasd_lossless_nolookup"),
     ("hybrid drafting (tiered)", "viasd_hybrid", "viasd"),
     ("draft vocabulary (lossless)", "viasd_lossless", "viasd_lossless_fullvocab"),
     ("draft vocabulary (lossless, hybrid)", "viasd_lossless_hybrid", "viasd_lossless_hybrid_fullvocab"),

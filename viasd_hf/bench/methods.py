@@ -45,7 +45,6 @@ ABLATIONS = {
     "_fullprompt": "the drafter reads the whole prompt (drafter_context=None)",
     "_norunnerup": "no runner-up leaf beside greedy drafts (runner_up=False)",
     "_nofallback": "speculate on every block, never falling back to plain decoding (plain_fallback=False)",
-    "_nolookup": "the assistant drafts every block, never copying where the context repeats (prompt_lookup_num_tokens=None)",
 }
 OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set")
 
@@ -235,8 +234,6 @@ class MethodTable:
             config = replace(config, runner_up=False)
         if "_nofallback" in method.ablations:
             config = replace(config, plain_fallback=False)
-        if "_nolookup" in method.ablations:
-            config = replace(config, prompt_lookup_num_tokens=None)
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
         return _viasd_method(self.target, config, drafter, **extra)
 

@@ -17,10 +17,7 @@ tie, being free to try; so the first copy decides, and a prompt whose matches ar
 translation, an answer that only reuses a few words) pays for one wasted copy, not for the
 several a trusting prior takes to unlearn. The kind that loses is still tried now and then on a
 block that could copy, so a change of text is noticed: after ``explore_every`` such blocks, then
-after twice as many each time (up to ``max_explore_every``) while the winner stays the same. The
-first try comes soon, because one early copy is a poor judge (a code answer opens with a fence the
-prompt lacks, then copies the prompt's function for dozens of tokens) and a try is cheap: a copy
-that fails costs one verifying pass, less than the drafter passes of the block it replaces.
+after twice as many each time (up to ``max_explore_every``) while the winner stays the same.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ class CopyOrDraft:
 
     drafter_cost: float
     decay: float = 0.9
-    explore_every: int = 2
+    explore_every: int = 8
     max_explore_every: int = 64
     prior_tokens: float = 2.0  # per block, for both kinds
     prior_drafts: float = 2.0  # drafter passes per block, for both kinds: a copy is not presumed cheaper until seen
