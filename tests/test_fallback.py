@@ -142,6 +142,21 @@ def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_out
     assert_stats_consistent(stats, 60, "lossless")
 
 
+def test_a_probe_of_plain_decoding_while_speculation_pays_gives_no_fallback_advice(pair, prompt_ids, single_thread,
+                                                                                   monkeypatch):
+    target, drafter = pair
+    SlowForward(target, 0.01)  # a plain token costs a slow pass; a speculative block of accepted drafts, one
+    monkeypatch.setattr(SpeculationSwitch, "_blocks_to_earn_back", lambda self: 0)  # probes as often as scheduled
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=ViaSDConfig(mode="lossless", use_slim=False),
+                              max_new_tokens=300, do_sample=False, return_dict_in_generate=True)  # fmt: skip
+    stats = out.viasd_stats
+    assert stats.plain_blocks > 2, "after the first two plain blocks, plain decoding was probed while speculating"
+    assert stats.speculation_verdict.startswith("speculating")
+    assert not any("speculation does not pay" in str(warning.message) for warning in caught)
+
+
 def test_a_reproducible_call_never_falls_back(pair, prompt_ids, single_thread):
     """Where timings may not steer a call (``tier_switching="fixed"``), every block drafts, however slow the drafter."""
     target, drafter = pair

@@ -232,8 +232,8 @@ class ViaSDDecoder:
         seconds = time.perf_counter() - started
         if self.switch is not None:
             self.switch.observe(True, len(block.tokens), seconds, one_off=reading)
-            if not self.switch.speculates():  # speculation measured slower: fallen back, or a probe confirmed it
-                self.advise_fallback()
+            if not (self.switch.speculates() or self.switch.speculating):  # fallen back, or a probe of speculation
+                self.advise_fallback()  # kept decoding plain; not a probe of plain decoding while speculation pays
         if self.controller is not None:
             charged_to_slim = wants_slim or slim_backlog > 0
             self.controller.observe(block_cost(block, charged_to_slim, seconds, drafting, draft.forwards))
