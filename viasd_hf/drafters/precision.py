@@ -6,8 +6,8 @@ float32 on a CPU with native bf16, or in bf16 on one without, drafts slower than
 unquantised drafter where a 4-bit kernel runs its passes in half the time. With
 ``ViaSDConfig.drafter_precision="auto"`` VIA-SD drafts with a copy in the form measured fastest here:
 unquantised (fp32, bf16, or fp16 where the CPU computes in it) or quantised (the schemes of
-:mod:`viasd_hf.models.quantization` whose library is installed, made from the drafter saved once to a
-temporary folder), measured by :func:`viasd_hf.models.quantization.choice.resolve_drafting_form` once
+:mod:`viasd_hf.models.quantization` that transformers loads and whose library is installed, made from
+the drafter saved once to a temporary folder), measured by :func:`viasd_hf.models.quantization.choice.resolve_drafting_form` once
 per architecture and machine (about a minute for a 0.5B model), then read from the cache. One copy
 per drafter is kept while the drafter lives, so the conversion is paid once and later calls reuse it;
 a drafter whose weights change afterwards keeps its first copy, so pass ``"as_loaded"`` for one that
