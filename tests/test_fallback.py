@@ -16,6 +16,7 @@ import torch
 from conftest import assert_stats_consistent, tiny_causal_lm
 from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.control.backoff import ProbeSchedule
+from viasd_hf.control.faded import FadedMean
 from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
 
 
@@ -94,6 +95,59 @@ def test_a_one_off_cost_makes_probes_rarer_without_counting_as_throughput():
     assert cheap.speculative.mean() == dear.speculative.mean() == pytest.approx(6.0)
     assert not cheap.speculating and not dear.speculating
     assert dear.schedule.due_at > cheap.schedule.due_at
+
+
+def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than_it_costs():
+    switch = SpeculationSwitch()
+    assert switch.reading_pays(None, 10) and switch.reading_cost(0.01, 100) is None, "nothing measured: read and learn"
+    switch.speculative.add(20.0, 1.0)  # 20 tokens/s
+    switch.plain.add(10.0, 1.0)  # 10 tokens/s: speculating saves 0.05 s a token
+    switch.observe_reading(0.004, 0.01)  # the drafter reads a token in 0.4 of the target's prefill time for one
+    read = switch.reading_cost(0.01, 250)
+    assert read == pytest.approx(1.0)
+    assert switch.reading_pays(read, 21) and not switch.reading_pays(read, 19)
+    switch.speculative = FadedMean(5.0, 1.0)  # speculation slower than plain decoding: no read pays
+    assert not switch.reading_pays(0.0, 1000)
+
+
+class SlowReading(torch.nn.Module):
+    """Delays a model's passes over more than ``columns`` columns: a drafter whose read of long prompts is dear while
+    its drafting passes are cheap."""
+
+    def __init__(self, model: torch.nn.Module, seconds: float, columns: int) -> None:
+        super().__init__()
+        self.handle = model.register_forward_pre_hook(
+            lambda _, args, kwargs: time.sleep(seconds) if (args[0] if args else kwargs["input_ids"]).shape[1] > columns
+            else None, with_kwargs=True)
+
+
+def test_a_batch_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not_pay(single_thread):
+    """A batch whose drafter must read long prompts at great cost: with few tokens left the read cannot be earned
+    back, so the call decodes plainly without it (the drafter runs no pass) and says why; with many tokens left the
+    same read pays and the call speculates. Output is greedy's either way."""
+    target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)  # every draft is accepted
+    enable_viasd(target)
+    SlowForward(target, 0.01)  # a pass of the target costs what drafting many tokens does: speculation pays
+    SlowReading(drafter, 0.5, columns=48)  # reading 3 prompts of 60 tokens costs 50 target passes
+    ids = torch.randint(2, 96, (3, 60), generator=torch.Generator().manual_seed(0))
+    config = ViaSDConfig(use_slim=False, drafter_precision="as_loaded")
+
+    def call(max_new_tokens):
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, viasd_config=config,
+                              max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+        expected = target.generate(ids, attention_mask=torch.ones_like(ids), viasd_config=None,
+                                   max_new_tokens=max_new_tokens, do_sample=False)
+        assert torch.equal(out.sequences, expected)
+        return out.viasd_stats
+
+    learned = call(24)  # nothing measured yet: the drafter reads, and the switch learns what reading and blocks cost
+    assert learned.drafter_forwards > 0 and learned.speculation_verdict.startswith("speculating")
+    assert learned.unread_verdict is None
+    short = call(8)
+    assert short.drafter_forwards == 0 and short.plain_blocks == short.blocks
+    assert short.unread_verdict.startswith("plain decoding: the drafter would first read 177 tokens (about 0.5 s), more than speculating can save over the 24 tokens left")
+    long = call(150)
+    assert long.drafter_forwards > 0 and long.unread_verdict is None
 
 
 def test_a_probe_schedule_doubles_while_probes_confirm_and_resets_on_a_switch():

@@ -88,6 +88,7 @@ class BatchedDecoder:
         self.rows: Rows
         self.target: RaggedCache
         self.drafter_read = False  # whether the drafter has read the prompts (it does before its first draft)
+        self.prefill_per_token: float | None = None  # the target's prefill seconds per column it computed
 
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
         """Decode every row of ``input_ids`` (left-padded as ``prompt_mask`` says) until each one stops."""
@@ -103,31 +104,57 @@ class BatchedDecoder:
         return self.rows
 
     def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
-        """The target reads every prompt but its last token, which opens the first block; so does the drafter, unless
-        the first block decodes plainly (then it reads what it lacks before its first draft: ``read_drafts``)."""
+        """The target reads every prompt but its last token, which opens the first block; so does the drafter where the
+        first block drafts (else it reads what it lacks before its first draft: ``read_drafts``)."""
+        if input_ids.shape[1] > 1:
+            started = time.perf_counter()
+            self.target.run(self.model, input_ids[:, :-1], prompt_mask[:, :-1].bool(), keep=1)
+            seconds = time.perf_counter() - started
+            self.prefill_per_token = seconds / prompt_mask[:, :-1].numel()  # a batched pass computes every column
+            self.stats.record_prefill(seconds)
+            for row in self.rows.active:
+                row.stats.record_prefill(seconds)
         if self.speculates():
             self.read_drafts()
-        if input_ids.shape[1] <= 1:
-            return
-        started = time.perf_counter()
-        self.target.run(self.model, input_ids[:, :-1], prompt_mask[:, :-1].bool(), keep=1)
-        seconds = time.perf_counter() - started
-        self.stats.record_prefill(seconds)
-        for row in self.rows.active:
-            row.stats.record_prefill(seconds)
+
+    def unread_tokens(self) -> int:
+        """The columns the drafter's read would compute: every row's tokens it has not read, the newest but one, padded
+        to the longest."""
+        return len(self.rows) * max(len(row.tokens()) - 1 for row in self.rows.active) if not self.drafter_read else 0
 
     def read_drafts(self) -> float:
         """The drafter reads what the rows committed and it has not read; the seconds it took."""
+        tokens = self.unread_tokens()
         started = time.perf_counter()
         passes = self.drafter.read(self.rows)
         seconds = time.perf_counter() - started
         self.record_draft(passes, seconds)
         self.drafter_read = True
+        self.stats.unread_verdict = None
+        if self.switch is not None and tokens and self.prefill_per_token:
+            self.switch.observe_reading(seconds / tokens, self.prefill_per_token)
         return seconds
 
     def speculates(self) -> bool:
-        """Whether the next block drafts (``SpeculationSwitch``; always, where timings may not steer)."""
-        return self.switch is None or self.switch.speculates()
+        """Whether the next block drafts (``SpeculationSwitch``; always, where timings may not steer). A drafter that
+        has not read the prompts drafts only where its read is expected to pay (``reading_pays``)."""
+        if self.switch is None:
+            return True
+        return self.switch.speculates() and (self.drafter_read or self.reading_pays())
+
+    def reading_pays(self) -> bool:
+        """Whether speculating over the tokens the rows may still decode saves more than the drafter's read costs,
+        priced from earlier reads against this call's prefill (``SpeculationSwitch.reading_pays``); where it does not,
+        the stats say why (the first time)."""
+        tokens = self.unread_tokens()
+        read = self.switch.reading_cost(self.prefill_per_token, tokens) if self.prefill_per_token else None
+        left = sum(self.max_length - row.length for row in self.rows.active)
+        if self.switch.reading_pays(read, left):
+            return True
+        self.stats.unread_verdict = self.stats.unread_verdict or (f"plain decoding: the drafter would first read {tokens} tokens (about {read:.1f} s), "
+                                     f"more than speculating can save over the {left} tokens left "
+                                     f"({self.switch.describe()})")
+        return False
 
     def wants_slim(self) -> bool:
         """Whether the slim tier may run in the next block (the controller's choice, where there is one)."""
