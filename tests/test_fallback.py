@@ -7,6 +7,7 @@ machine is.
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 
@@ -142,12 +143,12 @@ def test_a_batch_decodes_plainly_where_the_drafters_read_of_the_prompts_would_no
 
     learned = call(24)  # nothing measured yet: the drafter reads, and the switch learns what reading and blocks cost
     assert learned.drafter_forwards > 0 and learned.speculation_verdict.startswith("speculating")
-    assert learned.unread_verdict is None
     short = call(8)
     assert short.drafter_forwards == 0 and short.plain_blocks == short.blocks
-    assert short.unread_verdict.startswith("plain decoding: the drafter would first read 177 tokens (about 0.5 s), more than speculating can save over the 24 tokens left")
+    assert re.match(r"plain decoding: the drafter would first read 177 tokens \(about [\d.]+ s\), more than "
+                    r"speculating can save over the 24 tokens left \(speculative blocks", short.speculation_verdict)
     long = call(150)
-    assert long.drafter_forwards > 0 and long.unread_verdict is None
+    assert long.drafter_forwards > 0 and long.speculation_verdict.startswith("speculating")
 
 
 def test_a_probe_schedule_doubles_while_probes_confirm_and_resets_on_a_switch():

@@ -29,7 +29,6 @@ from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
 from viasd_hf.engine.sampling import RandomStream
 
-
 # each row's draft confidences so far and whether the row may go on -> does the batch draft one more column?
 KeepDraftingRows = Callable[[list[list[float]], list[bool]], bool]
 

@@ -89,6 +89,7 @@ class BatchedDecoder:
         self.target: RaggedCache
         self.drafter_read = False  # whether the drafter has read the prompts (it does before its first draft)
         self.prefill_per_token: float | None = None  # the target's prefill seconds per column it computed
+        self.unread_verdict: str | None = None  # why the drafter has not read the prompts: its read would not pay
 
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
         """Decode every row of ``input_ids`` (left-padded as ``prompt_mask`` says) until each one stops."""
@@ -130,7 +131,7 @@ class BatchedDecoder:
         seconds = time.perf_counter() - started
         self.record_draft(passes, seconds)
         self.drafter_read = True
-        self.stats.unread_verdict = None
+        self.unread_verdict = None
         if self.switch is not None and tokens and self.prefill_per_token:
             self.switch.observe_reading(seconds / tokens, self.prefill_per_token)
         return seconds
@@ -151,7 +152,7 @@ class BatchedDecoder:
         left = sum(self.max_length - row.length for row in self.rows.active)
         if self.switch.reading_pays(read, left):
             return True
-        self.stats.unread_verdict = self.stats.unread_verdict or (f"plain decoding: the drafter would first read {tokens} tokens (about {read:.1f} s), "
+        self.unread_verdict = self.unread_verdict or (f"plain decoding: the drafter would first read {tokens} tokens (about {read:.1f} s), "
                                      f"more than speculating can save over the {left} tokens left "
                                      f"({self.switch.describe()})")
         return False
@@ -313,7 +314,7 @@ class BatchedDecoder:
             stats.slim_tier_verdict = self.controller.verdict()
         if self.switch is not None:
             stats.speculation_switches = self.switch.switches[self._first_fallback_switch :]
-            stats.speculation_verdict = self.switch.verdict()
+            stats.speculation_verdict = self.unread_verdict or self.switch.verdict()
         if self.planner_key is not None:
             tier_memory(self.model).remember_planner(self.planner_key, self.planner)
         stats.seconds["total"] = time.perf_counter() - started

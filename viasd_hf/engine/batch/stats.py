@@ -12,9 +12,9 @@ The shape: ``viasd_stats`` of a batched call is a ``ViaSDStats`` whose fields ho
 - what only a batch has: ``batch_size``; ``ragged_blocks``, blocks in which rows kept different
   numbers of drafts; ``rows_left``, when each row finished and left the batch; ``compactions`` of
   the target's and the assistant's caches; ``peak_hole_share``, the largest share of the target's
-  cache that held nothing (left padding and rejected drafts), measured after each block; ``unread_verdict``,
-  why the call decoded plainly without the drafter reading the prompts, where that read would not have paid
-  (``SpeculationSwitch.reading_pays``).
+  cache that held nothing (left padding and rejected drafts), measured after each block.
+- ``speculation_verdict``: the switch's verdict, or, where the drafter never read the prompts because
+  that read would not have paid (``SpeculationSwitch.reading_pays``), why the call decoded plainly.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class BatchViaSDStats(ViaSDStats):
     rows_left: list[dict] = field(default_factory=list)  # {"row": index in the batch, "block": ..., "new_tokens": ...}
     compactions: dict[str, int] = field(default_factory=lambda: {"target": 0, "drafter": 0})
     peak_hole_share: float = 0.0
-    unread_verdict: str | None = None  # why the drafter never read the prompts: its read would not have paid
 
     def total_rows(self, rows: list[ViaSDStats]) -> None:
         """Fill the token totals from the rows' own stats (in the batch's order)."""
