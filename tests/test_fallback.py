@@ -151,6 +151,16 @@ def test_a_batch_decodes_plainly_where_the_drafters_read_of_the_prompts_would_no
     assert long.drafter_forwards > 0 and long.speculation_verdict.startswith("speculating")
 
 
+def test_the_user_is_told_speculation_does_not_pay_only_where_it_measured_clearly_slower():
+    switch = SpeculationSwitch()
+    assert not switch.clearly_loses(), "nothing measured"
+    switch.plain.add(2.79, 1.0)
+    switch.speculative.add(2.76, 1.0)  # a near tie, as a first short call measured it
+    assert not switch.clearly_loses()
+    switch.speculative = FadedMean(2.0, 1.0)
+    assert switch.clearly_loses()
+
+
 def test_a_probe_schedule_doubles_while_probes_confirm_and_resets_on_a_switch():
     schedule = ProbeSchedule(first=2, every=4, longest=16)
     assert not schedule.due(1) and schedule.due(2)

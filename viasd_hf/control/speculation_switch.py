@@ -70,6 +70,7 @@ class SpeculationSwitch:
     switches: list[dict] = field(default_factory=list)
     advised: bool = False  # whether the user was told why decoding fell back (``fallback_advice``)
     reading: FadedMean = field(default_factory=FadedMean)  # the drafter's seconds to read a token / the target's
+    advice_gap: float = 0.1  # how much slower speculation must measure before the user is told it does not pay
 
     def speculates(self) -> bool:
         """Whether the next block drafts."""
@@ -123,6 +124,12 @@ class SpeculationSwitch:
         if rate is None or other is None or block is None:
             return 0.0
         return self.probe_blocks * block * max(1 - rate / other, 0.0)
+
+    def clearly_loses(self) -> bool:
+        """Whether speculation measured slower than plain decoding by ``advice_gap``: a near tie, as a call's first
+        blocks can show while new pass shapes are first run, is no reason to tell the user it does not pay."""
+        speculative, plain = self.speculative.mean(), self.plain.mean()
+        return speculative is not None and plain is not None and speculative < plain * (1 - self.advice_gap)
 
     def verdict(self) -> str:
         """Where the switch stands and why, in words: what ``viasd_stats.speculation_verdict`` reports."""

@@ -256,8 +256,9 @@ class ViaSDDecoder:
             state.target_cache.check()
 
     def advise_fallback(self) -> None:
-        """Say once per model and drafter, with the measured numbers, that speculation does not pay here and why."""
-        if self.switch.advised:
+        """Say once per model and drafter, with the measured numbers, that speculation does not pay here and why: where
+        it measured clearly slower than plain decoding (``SpeculationSwitch.clearly_loses``), not on a near tie."""
+        if self.switch.advised or not self.switch.clearly_loses():
             return
         self.switch.advised = True
         costs = self.planner.costs
