@@ -252,32 +252,6 @@ def test_a_drafter_measured_fastest_quantised_drafts_as_a_quantised_copy_with_ge
     assert all(torch.equal(before[n], t) for n, t in drafter.state_dict().items()), "the user's drafter is untouched"
 
 
-@pytest.mark.machine_precision
-def test_a_batch_reads_its_prompts_with_the_drafter_as_given_and_drafts_with_its_quantised_copy(measured, monkeypatch):
-    """A prefill is compute-bound, where a quantised kernel only adds its dequantising: so a batch's prompts are read
-    by the drafter as given (bf16, the quantised copy's own dtype), every draft comes from the copy, and each row
-    is greedy's own. A drafter in another dtype than its copy's reads through the copy (one dtype per cache)."""
-    _, verdict = measured
-    verdict[0] = "torchao-int8-weight-only"  # runs on every CPU
-    target, drafter = pair()
-    drafter.to(torch.bfloat16)
-    ids = torch.randint(2, VOCAB, (3, 12), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # a shorter, left-padded prompt
-    passes = {"as given": [], "copy": []}
-    drafter.register_forward_pre_hook(lambda _, args, kwargs: passes["as given"].append(1), with_kwargs=True)
-    copy = drafter_precision.fastest_form(drafter)
-    assert copy is not drafter and copy.hf_quantizer is not None and copy.dtype == drafter.dtype
-    copy.register_forward_pre_hook(lambda _, args, kwargs: passes["copy"].append(1), with_kwargs=True)
-    config = ViaSDConfig(use_slim=False, plain_fallback=False)  # speculating from the first block: it reads first
-    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, viasd_config=config, max_new_tokens=12,
-                          return_dict_in_generate=True, **GREEDY)  # fmt: skip
-    assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, max_new_tokens=12, **GREEDY))
-    assert len(passes["as given"]) == 1, "the drafter as given read the prompts, in one pass"
-    assert len(passes["copy"]) == out.viasd_stats.drafter_forwards - 1 > 0, "the copy drafted every token"
-    assert drafter_precision.reader_for_call(drafter.float(), copy) is copy, "float32 cannot fill a bf16 cache"
-
-
 def test_a_tiny_model_in_memory_is_measured_in_a_quantised_form_from_one_saved_copy(home):
     model = tiny_causal_lm("llama")
     # never set aside, whatever this CPU's kernels: every round is timed and agreement measured

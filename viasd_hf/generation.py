@@ -40,7 +40,7 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import StaticCosts
 from viasd_hf.control.hybrid_choice import CopyOrDraft
 from viasd_hf.drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
-from viasd_hf.drafters.precision import drafter_for_call, reader_for_call
+from viasd_hf.drafters.precision import drafter_for_call
 from viasd_hf.engine.batch import BatchedDecoder, batch_drafter, check_batch_supported
 from viasd_hf.engine.kv_cache import new_cache
 from viasd_hf.engine.loop import ViaSDDecoder
@@ -274,7 +274,7 @@ def generate_batch(
     and one ``ViaSDStats`` per row (``BatchViaSDStats``)."""
     check_batch_supported(model, input_ids, generation_config, config, drafter, streamer, stopping_criteria, model_kwargs)
     do_sample = bool(generation_config.do_sample)
-    as_given, drafter = drafter, drafter_for_call(drafter, config, do_sample)
+    drafter = drafter_for_call(drafter, config, do_sample)
     if drafter is not None:
         check_same_vocabulary(model, drafter)
     slim_mask = None
@@ -285,7 +285,7 @@ def generate_batch(
     prompt_mask = torch.ones_like(input_ids) if prompt_mask is None else prompt_mask
     chosen = batch_drafter(drafter, prompt_lookup(model, generation_config, logits_processor), logits_processor,
                            config.draft_confidence_threshold, end_tokens(generation_config), input_ids.shape[0],
-                           input_ids.device, reader_for_call(as_given, drafter))
+                           input_ids.device)
     rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
     decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, logits_processor, stopping_criteria,
                              generation_config.max_length, input_ids.shape[0], rng, check_invariants)

@@ -38,20 +38,6 @@ def drafter_for_call(drafter: nn.Module | None, config: ViaSDConfig, do_sample: 
     return fastest_form(drafter)
 
 
-def reader_for_call(drafter: nn.Module | None, drafting: nn.Module | None) -> nn.Module | None:
-    """The model that reads a batch's prompts before ``drafting`` drafts for it: ``drafter``, as given, where
-    ``drafting`` is a quantised copy of it. A quantised kernel dequantises its weights on every pass, which a drafting
-    pass of a few tokens repays in bytes not read, but a prefill is compute-bound and pays it in full: the Qwen2.5
-    0.5B drafter read four HumanEval prompts (680 columns) in 1.4–1.5 s in bf16 and 2.0–2.4 s through its bnb-4bit
-    copy (AMD EPYC Zen4, two threads). Both forms have one config; the drafter reads only where it computes in the
-    copy's dtype, so the cache holds one dtype. What the reader leaves in the cache moves only which drafts the
-    target accepts, never the output."""
-    quantised_copy = drafting is not drafter and getattr(drafting, "hf_quantizer", None) is not None
-    if drafter is None or not quantised_copy or drafter.dtype != drafting.dtype:
-        return drafting
-    return drafter
-
-
 def convertible(drafter: nn.Module) -> bool:
     """An unquantised model on CPU in a form that is measured (float64 stays: it asks for exactness, not speed)."""
     if getattr(drafter, "hf_quantizer", None) is not None or drafter.device.type != "cpu":

@@ -86,15 +86,13 @@ class BatchAssistant:
     ``fed[r]`` lists the tokens of row ``r`` the cache holds, in order: its committed tokens, then the
     drafts fed since. After a block, the drafts the row did not commit are forgotten
     (``RaggedCache.forget_last``); the newest committed token is always fed with the next draft.
-    The prompts are read by ``reader`` (``drafters.precision.reader_for_call``; the model itself by default).
     """
 
     name = "assistant"
 
     def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None,
-                 end_tokens: frozenset[int], rows: int, device: torch.device, reader: nn.Module | None = None) -> None:
+                 end_tokens: frozenset[int], rows: int, device: torch.device) -> None:
         self.model = model
-        self.reader = reader if reader is not None else model
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
         self.end_tokens = end_tokens
@@ -107,7 +105,7 @@ class BatchAssistant:
         if not any(feeds):
             return 0
         tokens, real = right_padded(feeds, self.cache.mask.device)
-        self.cache.run(self.reader, tokens, real, keep=1)
+        self.cache.run(self.model, tokens, real, keep=1)
         for fed, feed in zip(self.fed, feeds):
             fed.extend(feed)
         return 1
@@ -240,12 +238,10 @@ class BatchHybrid:
 
 def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter | None,
                   logits_processor: LogitsProcessorList, confidence_threshold: float | None, end_tokens: frozenset[int],
-                  rows: int, device: torch.device, reader: nn.Module | None = None) -> BatchDrafter:
-    """The assistant model (reading the prompts with ``reader``, by default itself), prompt lookup (``lookup``, as a
-    single sequence would copy), or both."""
+                  rows: int, device: torch.device) -> BatchDrafter:
+    """The assistant model, prompt lookup (``lookup``, as a single sequence would copy), or both."""
     batch_lookup = BatchLookup(lookup) if lookup is not None else None
     if assistant_model is None:
         return batch_lookup
-    assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device,
-                               reader)
+    assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device)
     return assistant if batch_lookup is None else BatchHybrid(batch_lookup, assistant)
