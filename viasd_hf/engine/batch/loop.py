@@ -121,7 +121,9 @@ class BatchedDecoder:
     def unread_tokens(self) -> int:
         """The columns the drafter's read would compute: every row's tokens it has not read, the newest but one, padded
         to the longest."""
-        return len(self.rows) * max(len(row.tokens()) - 1 for row in self.rows.active) if not self.drafter_read else 0
+        if self.drafter_read:
+            return 0
+        return len(self.rows) * max(row.length - row.padding - 1 for row in self.rows.active)
 
     def read_drafts(self) -> float:
         """The drafter reads what the rows committed and it has not read; the seconds it took."""
@@ -152,9 +154,10 @@ class BatchedDecoder:
         left = sum(self.max_length - row.length for row in self.rows.active)
         if self.switch.reading_pays(read, left):
             return True
-        self.unread_verdict = self.unread_verdict or (f"plain decoding: the drafter would first read {tokens} tokens (about {read:.1f} s), "
-                                     f"more than speculating can save over the {left} tokens left "
-                                     f"({self.switch.describe()})")
+        if self.unread_verdict is None:
+            self.unread_verdict = (f"plain decoding: the drafter would first read {tokens} tokens "
+                                   f"(about {read:.1f} s), more than speculating can save over the {left} tokens left "
+                                   f"({self.switch.describe()})")
         return False
 
     def wants_slim(self) -> bool:
