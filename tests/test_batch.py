@@ -122,8 +122,21 @@ def test_plain_blocks_between_speculative_ones_change_no_token(pair, monkeypatch
     out = batched(target, rows, ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2])), assistant)
     assert_identical_to_generate(target, rows, out)
     stats = out.viasd_stats
-    assert 0 < stats.plain_blocks < stats.blocks and stats.drafted_tokens > 0 and stats.prefill_forwards == 1
+    assert 0 < stats.plain_blocks < stats.blocks and stats.drafted_tokens > 0 and stats.prefill_forwards == 0
     assert max(row["plain_blocks"] for row in stats.to_dict()["rows"]) == stats.plain_blocks  # the row decoding longest
+
+
+def test_a_batch_decoding_plainly_takes_one_full_pass_per_token_as_generate(pair, monkeypatch):
+    """The pass over the prompts gives every row its first token (the first block), as ``generate``'s first step:
+    n new tokens a row cost n batched passes, not a prefill and n more."""
+    target, assistant = pair
+    monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: False)
+    rows = prompts(4, lengths=(6, 11, 3))
+    out = batched(target, rows, ViaSDConfig(use_slim=False), assistant, max_new_tokens=6)
+    assert_identical_to_generate(target, rows, out, max_new_tokens=6)
+    stats = out.viasd_stats
+    assert stats.full_forwards == stats.blocks == stats.plain_blocks == 6 and stats.prefill_forwards == 0
+    assert stats.drafter_forwards == 0 and all(row.full_forwards == 6 for row in stats.rows)
 
 
 def test_rows_stop_at_their_own_eos_and_leave_the_batch(pair):

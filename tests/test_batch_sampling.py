@@ -1,9 +1,11 @@
-"""Batched lossless sampling is exact per row: each row of a left-padded batch draws its two new tokens from the
+"""Batched lossless sampling is exact per row: each row of a left-padded batch draws its new tokens from the
 target's own distribution after that row's prompt, whatever the other rows draft and keep.
 
-The two-token distributions, the models and the TV bound are ``test_sampling``'s (float64 tiny models,
-temperature 0.8 and top-k 6); a mutation control shows the bound catches a proposal the drafter did not
-draw from.
+The pass over the prompts gives each row its first token (a plain block), so the rows decode three: the first is
+forced (``FirstToken``), the next two come from speculative blocks and are compared with the exact two-token
+distribution after the prompt and the forced token. The two-token distributions, the models and the TV bound
+are ``test_sampling``'s (float64 tiny models, temperature 0.8 and top-k 6); a mutation control shows the bound
+catches a proposal the drafter did not draw from.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from test_sampling import (  # noqa: F401 -- models is the fixture: float64 tiny
     processors,
     total_variation,
 )
-from transformers import StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 import viasd_hf.engine.batch.drafting as drafting
 from viasd_hf import ViaSDConfig, enable_viasd
@@ -32,22 +34,37 @@ from viasd_hf.engine.batch import BatchedDecoder, batch_drafter
 from viasd_hf.engine.sampling import RandomStream
 
 ROWS = [PROMPT, LOOKUP_PROMPT]  # 5 and 7 tokens: the first row is left-padded; the second's bigram recurs
+FORCED = 7  # every row's first new token; after it the second row's trailing bigram (2, 7) still recurs
+
+
+class FirstToken(LogitsProcessor):
+    """Every row's first new token is ``FORCED`` (``width``: the padded prompts' width, which every row's ids have)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] != self.width:
+            return scores
+        return torch.full_like(scores, float("-inf")).index_fill(-1, torch.tensor([FORCED]), 0.0)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def sample_batch(models, config: ViaSDConfig, seed: int, lookup: bool, stats: list) -> list[tuple[int, ...]]:
-    """Two new tokens for every row of the batch, drawn with the call's seed; each row's pair."""
+    """Three new tokens for every row of the batch, the first forced, drawn with the call's seed; each row's last two."""
     target, drafter, _ = models
     ids, mask = left_padded([row[0] for row in ROWS])
     torch.manual_seed(seed)
-    chosen = batch_drafter(drafter, PromptLookupDrafter(3) if lookup else None, processors(), None, frozenset(),
+    forcing = LogitsProcessorList([FirstToken(ids.shape[1]), *processors()])
+    chosen = batch_drafter(drafter, PromptLookupDrafter(3) if lookup else None, forcing, None, frozenset(),
                            len(ROWS), ids.device)  # fmt: skip
     decoder = BatchedDecoder(target, chosen, drafter, config, config.routing_mask if config.use_slim else None,
-                             processors(), StoppingCriteriaList(), ids.shape[1] + 2, len(ROWS),
+                             forcing, StoppingCriteriaList(), ids.shape[1] + 3, len(ROWS),
                              RandomStream.from_global_seed(), check_invariants=True)  # fmt: skip
     rows = decoder.run(ids, mask)
     stats.append(decoder.stats)
+    assert all(row.tokens()[-3] == FORCED for row in rows.every_row())
     return [tuple(row.tokens()[-2:]) for row in rows.every_row()]
 
 
@@ -55,7 +72,9 @@ def per_row_tv(models, config: ViaSDConfig, lookup: bool = False) -> tuple[list[
     stats: list = []
     draws = [sample_batch(models, config, seed, lookup, stats) for seed in range(N)]
     target = models[0]
-    return [total_variation(Counter(draw[i] for draw in draws), exact_two_token_distribution(target, prompt), N)
+    forced = torch.tensor([[FORCED]])
+    return [total_variation(Counter(draw[i] for draw in draws),
+                            exact_two_token_distribution(target, torch.cat([prompt, forced], -1)), N)
             for i, prompt in enumerate(ROWS)], stats  # fmt: skip
 
 

@@ -12,11 +12,12 @@ One block, as in the paper's algorithm, for all rows together:
 4. ``commit``: each row's tokens one at a time, until its own stopping criteria (``rows``);
 5. ``leave``: rows that finished leave every tensor, and a cache whose holes pile up is compacted.
 
-Whether a block drafts at all is the speculation switch's choice (``control.speculation_switch``),
-on the measured tokens per second of the whole batch: where speculation does not pay, blocks decode
-one token per row in one full pass, as ``generate``'s batched greedy decoding. Whether the slim
-tier runs is the tier controller's choice, fed each block's costs summed over its rows. Draft
-lengths come from the draft planner, asked row by row (``drafting``). The planner and controller are
+The first block is plain and rides on the prompts' pass (``open``): the target reads every prompt and gives each
+row its first token, as ``generate``'s first step does. Whether a later block drafts at all is the speculation
+switch's choice (``control.speculation_switch``), on the measured tokens per second of the whole batch: where
+speculation does not pay, blocks decode one token per row in one full pass, as ``generate``'s batched greedy
+decoding. Whether the slim tier runs is the tier controller's choice, fed each block's costs summed over its rows.
+Draft lengths come from the draft planner, asked row by row (``drafting``). The planner and controller are
 remembered per batch size, apart from single-sequence calls': a pass over more rows costs differently.
 """
 
@@ -97,26 +98,29 @@ class BatchedDecoder:
         self.rows = Rows(input_ids, prompt_mask, self.stopping_criteria, self.max_length)
         self.target = RaggedCache(self.model.config, input_ids.shape[0], input_ids.device)
         with fastest_attention(steers_attention(self.config, self.rng is not None)):
-            self.prefill(input_ids, prompt_mask)
+            self.open(input_ids, prompt_mask)
+            self.leave()
+            if len(self.rows) and self.speculates():
+                self.read_drafts()
             while len(self.rows):
                 self.step()
                 self.leave()
         self.finish(started)
         return self.rows
 
-    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
-        """The target reads every prompt but its last token, which opens the first block; so does the drafter where the
-        first block drafts (else it reads what it lacks before its first draft: ``read_drafts``)."""
-        if input_ids.shape[1] > 1:
-            started = time.perf_counter()
-            self.target.run(self.model, input_ids[:, :-1], prompt_mask[:, :-1].bool(), keep=1)
-            seconds = time.perf_counter() - started
-            self.prefill_per_token = seconds / prompt_mask[:, :-1].numel()  # a batched pass computes every column
-            self.stats.record_prefill(seconds)
-            for row in self.rows.active:
-                row.stats.record_prefill(seconds)
-        if self.speculates():
-            self.read_drafts()
+    def open(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+        """The first block, a plain one: the target reads every prompt and gives each row its first token, as
+        ``generate``'s first step does. The drafter reads the prompts after it, where the next block drafts."""
+        started = time.perf_counter()
+        logits = self.target.run(self.model, input_ids, prompt_mask.bool(), keep=1)
+        seconds = time.perf_counter() - started
+        self.prefill_per_token = seconds / prompt_mask.numel()  # a batched pass computes every column
+        empty = BatchDraft.empty(len(self.rows))
+        fed = prompt_mask.sum(-1).tolist()
+        self.commit(self.judge(logits, seconds, fed, empty.tokens, empty, None, None), empty)
+        self.stats.plain_blocks += 1
+        for row in self.rows.active:
+            row.stats.plain_blocks += 1
 
     def unread_tokens(self) -> int:
         """The columns the drafter's read would compute: every row's tokens it has not read, the newest but one, padded
@@ -221,6 +225,11 @@ class BatchedDecoder:
         """The full pass over every row's (repaired) draft; each row's verdict. The cache keeps what each row kept."""
         verified = [repair.verified.tokens for repair in repairs] if repairs is not None else draft.tokens
         logits, seconds, fed = self.score(verified, routed=False)
+        return self.judge(logits, seconds, fed, verified, draft, repairs, slim_views)
+
+    def judge(self, logits: torch.Tensor, seconds: float, fed: list[int], verified: list[list[int]], draft: BatchDraft,
+              repairs: list[SlimRepair] | None, slim_views: list[TierLogits] | None) -> list[BlockResult]:
+        """Each row's verdict from the full pass's ``logits`` on its ``verified`` tokens; the cache forgets the rest."""
         blocks = []
         for i, row in enumerate(self.rows.active):
             view = row_view(logits[i], row, verified[i], self.logits_processor, seconds, fed[i])
