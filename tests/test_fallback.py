@@ -98,6 +98,15 @@ def test_a_one_off_cost_makes_probes_rarer_without_counting_as_throughput():
     assert dear.schedule.due_at > cheap.schedule.due_at
 
 
+def test_a_block_the_length_limit_cut_short_counts_but_measures_nothing():
+    """The last blocks of a call draft only what room is left: their pace is no measure of speculation's."""
+    switch = SpeculationSwitch(speculating=True)
+    switch.observe(True, 1, 1.0, cut_short=True)
+    assert switch.block == 1 and switch.speculative.mean() is None and switch.speculating
+    switch.observe(True, 1, 1.0)
+    assert switch.speculative.mean() == pytest.approx(1.0)
+
+
 def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than_it_costs():
     switch = SpeculationSwitch()
     assert switch.reading_pays(None, 10) and switch.reading_cost(0.01, 100) is None, "nothing measured: read and learn"
@@ -220,6 +229,32 @@ def test_a_probe_of_plain_decoding_while_speculation_pays_gives_no_fallback_advi
     assert stats.plain_blocks > 2, "after the first two plain blocks, plain decoding was probed while speculating"
     assert stats.speculation_verdict.startswith("speculating")
     assert not any("speculation does not pay" in str(warning.message) for warning in caught)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_only_the_blocks_the_length_limit_cut_short_are_kept_from_the_switch(pair, prompt_ids, single_thread, monkeypatch,
+                                                                            rows):
+    """The drafter (the target's twin) never stops on its own here, so every draft runs to the planner's bound or to
+    the room left: blocks of the second kind, and only they, reach the switch as cut short."""
+    target, drafter = pair
+    observed = []
+    observe = SpeculationSwitch.observe
+
+    def spy(switch, speculated, tokens, seconds, one_off=0.0, cut_short=False):
+        observed.append((speculated, tokens, cut_short))
+        observe(switch, speculated, tokens, seconds, one_off, cut_short)
+
+    monkeypatch.setattr(SpeculationSwitch, "observe", spy)
+    monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: True)
+    ids = prompt_ids.repeat(rows, 1)
+    config = ViaSDConfig(mode="lossless", use_slim=False, num_draft_tokens=4, adaptive=True)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, viasd_config=config,
+                          max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, target.generate(ids, attention_mask=torch.ones_like(ids), viasd_config=None,
+                                                      max_new_tokens=40, do_sample=False))
+    speculative = [(tokens, cut_short) for speculated, tokens, cut_short in observed if speculated]
+    assert speculative[-1][1] and not speculative[0][1], "the last block was cut short, the first was not"
+    assert all(cut_short == (index == len(speculative) - 1) for index, (_, cut_short) in enumerate(speculative))
 
 
 def test_a_reproducible_call_never_falls_back(pair, prompt_ids, single_thread):

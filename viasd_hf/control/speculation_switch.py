@@ -76,11 +76,17 @@ class SpeculationSwitch:
         """Whether the next block drafts."""
         return self.speculating != self.schedule.due(self.block)
 
-    def observe(self, speculated: bool, tokens: int, seconds: float, one_off: float = 0.0) -> None:
+    def observe(self, speculated: bool, tokens: int, seconds: float, one_off: float = 0.0,
+                cut_short: bool = False) -> None:
         """A finished block of either regime: what it committed and the seconds it took, drafting included.
 
         ``one_off``: seconds the block spent once per call, not per block (the drafter reading the prompt before its
-        first draft): they count in what a probe costs, not in the regime's throughput."""
+        first draft): they count in what a probe costs, not in the regime's throughput. ``cut_short``: the call's
+        length limit, not the drafter, ended its draft (the last blocks of a call): it says nothing of what
+        speculating gives, so it counts as a block but its throughput is not measured."""
+        if cut_short:
+            self.block += 1
+            return
         probing = self.schedule.due(self.block)
         (self.speculative if speculated else self.plain).observe(tokens, self.decay, weight=seconds)
         self.block_seconds[speculated].observe(seconds + one_off, self.decay)

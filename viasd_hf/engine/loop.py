@@ -208,7 +208,10 @@ class ViaSDDecoder:
             reading = self.prefill_drafter(state)
         started = time.perf_counter()
         wants_slim = self.controller.use_slim() if self.controller is not None else True
-        draft, drafting = self.draft(state, slim_may_run=self.tiers.slim is not None and wants_slim)
+        slim_may_run = self.tiers.slim is not None and wants_slim
+        draft, drafting = self.draft(state, slim_may_run)
+        cut_short = len(draft.tokens) == self.max_length - state.length - 1 < longest_draft(
+            self.config, self.planner, slim_may_run)  # the length limit ended the draft, not the drafter
         slim_backlog = state.length - state.target_cache.length - 1
         must_catch_up = slim_backlog + len(draft.tokens) + 1 > self.config.max_slim_backlog
         slim_runs = self.tiers.slim is not None and wants_slim and bool(draft.tokens) and not must_catch_up
@@ -231,7 +234,7 @@ class ViaSDDecoder:
                 self.planner.costs.observe_verifying(block.seconds["full"], block.rows.fed)
         seconds = time.perf_counter() - started
         if self.switch is not None:
-            self.switch.observe(True, len(block.tokens), seconds, one_off=reading)
+            self.switch.observe(True, len(block.tokens), seconds, one_off=reading, cut_short=cut_short)
             if not (self.switch.speculates() or self.switch.speculating):  # fallen back, or a probe of speculation
                 self.advise_fallback()  # kept decoding plain; not a probe of plain decoding while speculation pays
         if self.controller is not None:

@@ -179,6 +179,7 @@ class BatchedDecoder:
         started = time.perf_counter()
         wants_slim = self.wants_slim()
         draft, drafting = self.draft(slim_may_run=wants_slim)
+        cut_short = self.cut_short(draft, wants_slim)
         slim_runs = wants_slim and draft.longest > 0
         repairs, slim_views = self.repair(draft) if slim_runs else (None, None)
         blocks = self.verify(draft, repairs, slim_views)
@@ -186,7 +187,7 @@ class BatchedDecoder:
         self.stats.slim_forwards += int(slim_runs)
         self.stats.slim_on_blocks += int(wants_slim)
         self.stats.slim_off_blocks += int(not wants_slim)
-        self.learn(draft, blocks, committed, time.perf_counter() - started, drafting, wants_slim, reading)
+        self.learn(draft, blocks, committed, time.perf_counter() - started, drafting, wants_slim, reading, cut_short)
 
     def plain_step(self) -> None:
         """A block without a draft: one full pass gives one token per row, as ``generate`` decodes a batch."""
@@ -198,12 +199,21 @@ class BatchedDecoder:
             row.stats.plain_blocks += 1
         self.switch.observe(False, committed, time.perf_counter() - started)
 
-    def draft(self, slim_may_run: bool) -> tuple[BatchDraft, float]:
-        """Every row's draft, each as long as its room before ``max_length`` and the block's bound allow, and the
-        seconds it took. The bound is the planner's (shorter where the slim tier may run, as for one sequence). A
-        drafter that has not read the prompts (decoding began plainly) reads what it lacks in its first pass."""
+    def limits(self, slim_may_run: bool) -> list[int]:
+        """Each row's longest draft: the block's bound (the planner's, shorter where the slim tier may run, as for one
+        sequence), or less where the row's room before ``max_length`` is less."""
         longest = longest_draft(self.config, self.planner, slim_may_run)
-        limits = [max(0, min(longest, self.max_length - row.length - 1)) for row in self.rows.active]
+        return [max(0, min(longest, self.max_length - row.length - 1)) for row in self.rows.active]
+
+    def cut_short(self, draft: BatchDraft, slim_may_run: bool) -> bool:
+        """Whether the length limit, not the drafter, ended some row's draft (the last blocks of a call)."""
+        longest = longest_draft(self.config, self.planner, slim_may_run)
+        return any(len(tokens) == limit < longest for tokens, limit in zip(draft.tokens, self.limits(slim_may_run)))
+
+    def draft(self, slim_may_run: bool) -> tuple[BatchDraft, float]:
+        """Every row's draft, each as long as ``limits`` allows, and the seconds it took. A drafter that has not read
+        the prompts (decoding began plainly) reads what it lacks in its first pass."""
+        limits = self.limits(slim_may_run)
         started = time.perf_counter()
         keep_drafting = self.planner.keep_drafting_rows if self.planner is not None else None
         draft = self.drafter.draft(self.rows, limits, self.rng, keep_drafting)
@@ -285,16 +295,17 @@ class BatchedDecoder:
             self.stats.peak_hole_share = max(self.stats.peak_hole_share, self.target.hole_share())
 
     def learn(self, draft: BatchDraft, blocks: list[BlockResult], committed: int, seconds: float, drafting: float,
-              wants_slim: bool, reading: float) -> None:
+              wants_slim: bool, reading: float, cut_short: bool) -> None:
         """What the block teaches the planner, the speculation switch and the tier controller (``reading``: the seconds
-        the drafter spent once, catching up with plain blocks, before the block)."""
+        the drafter spent once, catching up with plain blocks, before the block; ``cut_short``: the length limit ended
+        a row's draft, so its pace tells the switch nothing)."""
         if self.planner is not None:
             for row, block in zip(draft.rows, blocks):
                 self.planner.observe(row, block.judged, block.kept)
             if isinstance(self.planner.costs, MeasuredCosts):
                 self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
         if self.switch is not None:
-            self.switch.observe(True, committed, seconds, one_off=reading)
+            self.switch.observe(True, committed, seconds, one_off=reading, cut_short=cut_short)
         if self.controller is not None:
             self.controller.observe(BlockCost(
                 slim=wants_slim, seconds=seconds, tokens=committed, slim_seconds=blocks[0].seconds["slim"],
