@@ -4,6 +4,8 @@ stop on their own and leave the batch; and what a batch does not support is refu
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -137,6 +139,27 @@ def test_a_batch_decoding_plainly_takes_one_full_pass_per_token_as_generate(pair
     stats = out.viasd_stats
     assert stats.full_forwards == stats.blocks == stats.plain_blocks == 6 and stats.prefill_forwards == 0
     assert stats.drafter_forwards == 0 and all(row.full_forwards == 6 for row in stats.rows)
+
+
+def test_the_assistant_reads_the_prompts_through_its_reader_and_drafts_with_itself(pair, monkeypatch):
+    """Where the drafting model has a reader (a 4-bit copy's dequantised twin), the prompts' read (all rows, one pass)
+    goes through it and every drafting pass through the model; the output is greedy's."""
+    import viasd_hf.generation as generation
+
+    target, assistant = pair
+    reader = copy.deepcopy(assistant)
+    passes = {"reader": [], "assistant": []}
+    for name, model in (("reader", reader), ("assistant", assistant)):
+        model.register_forward_pre_hook(
+            lambda _, args, kwargs, name=name: passes[name].append((args[0] if args else kwargs["input_ids"]).shape),
+            with_kwargs=True)
+    monkeypatch.setattr(generation, "prompt_reader", lambda model: reader if model is assistant else None)
+    rows = prompts(5, lengths=(12, 20, 16))
+    out = batched(target, rows, ViaSDConfig(use_slim=False, plain_fallback=False), assistant)
+    assert_identical_to_generate(target, rows, out)
+    assert passes["reader"] == [torch.Size([3, 20])], "one read of every prompt, padded to the longest"
+    assert len(passes["assistant"]) == out.viasd_stats.drafter_forwards - 1 > 0
+    assert all(shape[1] < 20 for shape in passes["assistant"])
 
 
 def test_rows_stop_at_their_own_eos_and_leave_the_batch(pair):

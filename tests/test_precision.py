@@ -252,6 +252,38 @@ def test_a_drafter_measured_fastest_quantised_drafts_as_a_quantised_copy_with_ge
     assert all(torch.equal(before[n], t) for n, t in drafter.state_dict().items()), "the user's drafter is untouched"
 
 
+@pytest.mark.machine_precision
+def test_a_4bit_drafting_copy_reads_long_prompts_through_its_dequantised_twin(measured, monkeypatch):
+    """The twin computes the 4-bit model with plain linear layers and shares everything else; a lossless call whose
+    copy is 4-bit reads its prompt through the twin (one pass over it) and drafts with the copy."""
+    bnb = pytest.importorskip("bitsandbytes")
+    calls, verdict = measured
+    verdict[0] = "bnb-4bit"
+    # bitsandbytes' CPU kernel needs layers at least a quantisation block (64) wide
+    target = enable_viasd(tiny_causal_lm("llama", seed=0, hidden_size=64, intermediate_size=128))
+    drafter = near_copy(target, scale=0.01)
+    copy = drafter_precision.fastest_form(drafter)
+    twin = drafter_precision.prompt_reader(copy)
+    assert copy.hf_quantizer is not None
+    assert twin is not None and twin is not copy
+    assert not any(isinstance(module, bnb.nn.Linear4bit) for module in twin.modules())
+    assert twin.get_input_embeddings() is copy.get_input_embeddings(), "everything but the 4-bit layers is shared"
+    ids = torch.randint(2, VOCAB, (1, 48), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        same = (twin(ids).logits.argmax(-1) == copy(ids).logits.argmax(-1)).float().mean()
+    assert same >= 0.9, "the twin computes the 4-bit model (up to the rounding of its products)"
+    long_passes = []
+    twin.model.register_forward_pre_hook(  # the copy's body shares its hooks: count the twin's own passes
+        lambda body, args, kwargs: long_passes.append(kwargs["input_ids"].shape[1]) if body is twin.model else None,
+        with_kwargs=True)
+    long_prompt = torch.randint(2, VOCAB, (1, 40), generator=torch.Generator().manual_seed(6))
+    expected = target.generate(long_prompt, max_new_tokens=12, **GREEDY)
+    out = target.generate(long_prompt, assistant_model=drafter, viasd_config=lossless(target), max_new_tokens=12,
+                          return_dict_in_generate=True, **GREEDY)  # fmt: skip
+    assert torch.equal(out.sequences, expected) and out.viasd_stats.drafter_forwards > 1
+    assert long_passes == [40], "the twin read the prompt, once; the copy drafted"
+
+
 def test_a_tiny_model_in_memory_is_measured_in_a_quantised_form_from_one_saved_copy(home):
     model = tiny_causal_lm("llama")
     # never set aside, whatever this CPU's kernels: every round is timed and agreement measured

@@ -40,7 +40,7 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import StaticCosts
 from viasd_hf.control.hybrid_choice import CopyOrDraft
 from viasd_hf.drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
-from viasd_hf.drafters.precision import drafter_for_call
+from viasd_hf.drafters.precision import drafter_for_call, prompt_reader
 from viasd_hf.engine.batch import BatchedDecoder, batch_drafter, check_batch_supported
 from viasd_hf.engine.kv_cache import new_cache
 from viasd_hf.engine.loop import ViaSDDecoder
@@ -139,6 +139,7 @@ def build_drafter(
     assistant = AssistantDrafter(
         assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
         inputs=target_cache.inputs, head=head, context=config.drafter_context, end_tokens=ends,
+        reader=prompt_reader(assistant_model),
     )
     if lookup is None:
         return assistant
@@ -285,7 +286,7 @@ def generate_batch(
     prompt_mask = torch.ones_like(input_ids) if prompt_mask is None else prompt_mask
     chosen = batch_drafter(drafter, prompt_lookup(model, generation_config, logits_processor), logits_processor,
                            config.draft_confidence_threshold, end_tokens(generation_config), input_ids.shape[0],
-                           input_ids.device)
+                           input_ids.device, prompt_reader(drafter) if drafter is not None else None)
     rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
     decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, logits_processor, stopping_criteria,
                              generation_config.max_length, input_ids.shape[0], rng, check_invariants)

@@ -108,6 +108,15 @@ class _ModelDrafter:
         return draft
 
 
+LONG_READ = 32  # tokens in a pass (all rows together) from which a drafter's reader runs it; below, 4 bits are as fast
+
+
+def reading_model(model: nn.Module, reader: nn.Module | None, tokens: int) -> nn.Module:
+    """The model a drafter's pass over ``tokens`` tokens runs through: its reader (the same model, faster on long
+    passes: ``models.quantization.reader``) where it has one and the pass is long."""
+    return reader if reader is not None and tokens >= LONG_READ else model
+
+
 class AssistantDrafter(_ModelDrafter):
     """A separate (smaller) model with the target's tokenizer and a KV cache of its own.
 
@@ -128,9 +137,11 @@ class AssistantDrafter(_ModelDrafter):
         head: SubsetHead | None = None,
         context: int | None = None,
         end_tokens: frozenset[int] = frozenset(),
+        reader: nn.Module | None = None,
     ) -> None:
         super().__init__(logits_processor, confidence_threshold, do_sample, head, end_tokens)
         self.model = model
+        self.reader = reader  # the same model for long passes (a 4-bit copy's dequantised twin), if any
         self.inputs = inputs or ModelInputs()
         self.context = context
         self.cache = new_cache(model.config)
@@ -162,7 +173,8 @@ class AssistantDrafter(_ModelDrafter):
         return self._seen(ids)[:, len(self.processed) :]
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.inputs.logits(self.model, tokens, len(self.processed), self.cache, keep=1, head=self.head)
+        model = reading_model(self.model, self.reader, tokens.numel())
+        logits = self.inputs.logits(model, tokens, len(self.processed), self.cache, keep=1, head=self.head)
         self.processed.extend(tokens[0].tolist())
         return logits
 

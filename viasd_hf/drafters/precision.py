@@ -12,7 +12,9 @@ per architecture and machine (about a minute for a 0.5B model), then read from t
 per drafter is kept while the drafter lives, so the conversion is paid once and later calls reuse it;
 a drafter whose weights change afterwards keeps its first copy, so pass ``"as_loaded"`` for one that
 is still being trained. The user's model is never changed. Tiered mode, sampling and ``"as_loaded"``
-draft with the model as given: there the drafter's distribution shapes the output.
+draft with the model as given: there the drafter's distribution shapes the output. A 4-bit copy reads
+prompts through its twin with the same weights dequantised (``prompt_reader``,
+:mod:`viasd_hf.models.quantization.reader`), made with the copy.
 """
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.models.quantization import UNQUANTIZED
 from viasd_hf.models.quantization.choice import resolve_drafting_form
 from viasd_hf.models.quantization.measure import converted
+from viasd_hf.models.quantization.reader import dequantized_twin
 from viasd_hf.models.quantization.schemes import Scheme
 
 _COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module | None] = weakref.WeakKeyDictionary()  # None: drafts as is
+_READERS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # a copy's prompt reader
 _LOCK = threading.Lock()
 
 
@@ -53,7 +57,11 @@ def fastest_form(drafter: nn.Module) -> nn.Module:
     with _LOCK:
         if drafter not in _COPIES:
             form = resolve_drafting_form(drafter).scheme if convertible(drafter) else None
-            _COPIES[drafter] = None if form is None or in_form(drafter, form) else converted(drafter, form)
+            made = None if form is None or in_form(drafter, form) else converted(drafter, form)
+            reader = dequantized_twin(made) if made is not None else None  # before a first pass packs its weights
+            if reader is not None:
+                _READERS[made] = reader
+            _COPIES[drafter] = made
         copy = _COPIES[drafter]
     return drafter if copy is None else copy
 
@@ -61,6 +69,13 @@ def fastest_form(drafter: nn.Module) -> nn.Module:
 def in_form(drafter: nn.Module, form: Scheme) -> bool:
     """Whether an unquantised drafter is in ``form`` already."""
     return form.name in UNQUANTIZED and form.dtype == drafter.dtype
+
+
+def prompt_reader(model: nn.Module) -> nn.Module | None:
+    """The twin through which a 4-bit drafting copy made here reads prompts (the same weights, dequantised); None for
+    any other model."""
+    with _LOCK:
+        return _READERS.get(model)
 
 
 def drafting_copy(drafter: nn.Module) -> nn.Module | None:

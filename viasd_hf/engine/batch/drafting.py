@@ -24,6 +24,7 @@ from viasd_hf.drafters import (
     drafted_token,
     kept_prefix,
 )
+from viasd_hf.drafters.model import reading_model
 from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
@@ -91,8 +92,9 @@ class BatchAssistant:
     name = "assistant"
 
     def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None,
-                 end_tokens: frozenset[int], rows: int, device: torch.device) -> None:
+                 end_tokens: frozenset[int], rows: int, device: torch.device, reader: nn.Module | None = None) -> None:
         self.model = model
+        self.reader = reader  # the same model for reading the prompts (a 4-bit copy's dequantised twin), if any
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
         self.end_tokens = end_tokens
@@ -105,7 +107,7 @@ class BatchAssistant:
         if not any(feeds):
             return 0
         tokens, real = right_padded(feeds, self.cache.mask.device)
-        self.cache.run(self.model, tokens, real, keep=1)
+        self.cache.run(reading_model(self.model, self.reader, tokens.numel()), tokens, real, keep=1)
         for fed, feed in zip(self.fed, feeds):
             fed.extend(feed)
         return 1
@@ -238,10 +240,11 @@ class BatchHybrid:
 
 def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter | None,
                   logits_processor: LogitsProcessorList, confidence_threshold: float | None, end_tokens: frozenset[int],
-                  rows: int, device: torch.device) -> BatchDrafter:
-    """The assistant model, prompt lookup (``lookup``, as a single sequence would copy), or both."""
+                  rows: int, device: torch.device, reader: nn.Module | None = None) -> BatchDrafter:
+    """The assistant model (reading the prompts through ``reader`` where there is one), prompt lookup (``lookup``, as
+    a single sequence would copy), or both."""
     batch_lookup = BatchLookup(lookup) if lookup is not None else None
     if assistant_model is None:
         return batch_lookup
-    assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device)
+    assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device, reader)
     return assistant if batch_lookup is None else BatchHybrid(batch_lookup, assistant)
