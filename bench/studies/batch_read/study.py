@@ -1,5 +1,6 @@
 """Where a batch's time goes: the target's prefill, a one-token batched pass, the drafter's read of the prompts
-(bf16 and its bnb-4bit copy, the form ``drafter_precision="auto"`` picks on AVX512-BF16 CPUs), then batched greedy
+(bf16, its bnb-4bit copy, the form ``drafter_precision="auto"`` picks on AVX512-BF16 CPUs, and that copy's
+reader, the same weights dequantised, through which VIA-SD reads), then batched greedy
 ``generate`` against batched lossless VIA-SD on the same batch (seconds and ``viasd_stats``). The first HumanEval
 prompts as one left-padded batch, torch's default threads:
 
@@ -15,7 +16,7 @@ from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.bench.batches import left_pad
 from viasd_hf.bench.runner import encode
 from viasd_hf.data.tasks import load_examples
-from viasd_hf.drafters.precision import fastest_form
+from viasd_hf.drafters.precision import fastest_form, prompt_reader
 from viasd_hf.models.loading import load_pretrained
 
 torch.set_grad_enabled(False)
@@ -26,7 +27,10 @@ drafter, _ = load_pretrained("qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
 enable_viasd(target)
 pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 ids, mask = left_pad([encode(tokenizer, e.prompt) for e in load_examples("humaneval", size)], pad)
-forms = {"drafter bf16": drafter, "drafter as VIA-SD drafts": fastest_form(drafter)}
+copy = fastest_form(drafter)
+forms = {"drafter bf16": drafter, "drafter as VIA-SD drafts": copy}
+if prompt_reader(copy) is not None:
+    forms["its reader"] = prompt_reader(copy)
 
 
 def seconds(run) -> float:
