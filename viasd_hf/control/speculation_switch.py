@@ -23,10 +23,10 @@ timings may steer a call (``tier_controller.measures_wall_clock``), remembered w
 Before its first draft the drafter must read what it has not read: the prompts, B of them in a batch.
 That read is paid once per call, so it can cost more than speculation saves over the tokens the call
 has left: at B = 8, a 0.5B drafter reading eight 160-token prompts took 4.4 s at bf16 speed (6–7 s
-through its 4-bit kernel), more than speculating then saved over 48 tokens a row (Qwen2.5-Coder 0.5B → 1.5B, AMD EPYC Zen4, two threads;
-``bench/studies/batch_read/study.py``). So a call whose drafter has not read decodes plainly when
-the read, priced from what earlier reads cost against the target's prefill, would not be earned back
-(``SpeculationSwitch.reading_pays``).
+through its 4-bit kernel), more than speculating then saved over 48 tokens a row (Qwen2.5-Coder
+0.5B → 1.5B, AMD EPYC Zen4, two threads; ``bench/studies/batch_read/study.py``). So a call whose
+drafter has not read decodes plainly when the read, priced from what earlier reads cost against the
+target's prefill, would not be earned back (``SpeculationSwitch.reading_pays``).
 """
 
 from __future__ import annotations
