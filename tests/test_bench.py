@@ -15,6 +15,7 @@ from viasd_hf import RoutingMask
 from viasd_hf.bench.methods import METHODS, MethodName, MethodTable, Outcome
 from viasd_hf.bench.report import environment, source_revision
 from viasd_hf.bench.runner import MethodRuns, agreement, run_methods, summarise
+from viasd_hf.bench.traces import CallTracer, read_traces
 from viasd_hf.cli import main
 from viasd_hf.data.tasks import Example
 
@@ -153,6 +154,27 @@ def test_run_methods_interleaves_and_keeps_every_repeat(table):
     for name, method_runs in runs.items():
         assert len(method_runs.outcomes) == 2 and all(len(s) == 2 for s in method_runs.seconds), name
     assert runs["two_tier"].outcomes[1].tokens == runs["greedy"].outcomes[1].tokens
+
+
+def test_a_traced_run_records_each_timed_call_with_its_own_passes(table, tmp_path):
+    """One line per timed call (no warm-up), each holding the passes its method ran: greedy one target body pass
+    per token, two-tier as many drafter and target passes as its own statistics count."""
+    methods = table.build(["greedy", "two_tier"])
+    examples = [Example("custom", "hello there"), Example("custom", "general kenobi")]
+    tracer = CallTracer(tmp_path / "traces", lambda: {"target": table.target, "drafter": table.drafter})
+    runs = run_methods(methods, DigitTokenizer(), examples, max_new_tokens=6, repeats=2, tracer=tracer)
+    _, calls = read_traces(tmp_path / "traces")
+    assert sorted((c.method, c.prompt, c.repeat) for c in calls) == sorted(
+        (m, i, r) for m in ("greedy", "two_tier") for i in range(2) for r in range(2))
+    for call in calls:
+        assert call.seconds == runs[call.method].seconds[call.prompt][call.repeat]
+        bodies = [p for p in call.passes if p.kind == "body"]
+        if call.method == "greedy":
+            assert len(bodies) == call.new_tokens and {p.model.split()[0] for p in bodies} == {"target"}
+        elif call.repeat == 0:
+            stats = runs[call.method].outcomes[call.prompt].viasd
+            assert sum(p.model.startswith("drafter") for p in bodies) == stats["drafter_forwards"]
+            assert sum(p.model.startswith("target") for p in bodies) == stats["full_forwards"] + stats["slim_forwards"]
 
 
 def git(folder: Path, *args: str) -> str:

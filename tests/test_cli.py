@@ -105,6 +105,7 @@ def test_bench_checks_its_arguments_before_loading_models(no_models, files, tmp_
                                                                   f"{files['a-file']} is a file"),
         ([*prompts, "--json", str(tmp_path)], f"--json {tmp_path}: is a folder; give a file name"),
         ([*prompts, "--plots", str(files["a-file"])], f"--plots {files['a-file']}: exists and is not a folder"),
+        ([*prompts, "--traces", str(files["a-file"])], f"--traces {files['a-file']}: exists and is not a folder"),
         ([*prompts, "--methods", "greedy,self_spec", "--target", str(files["model"])], "self_spec needs a self-drafting mask"),
         ([*prompts, "--methods", "greedy,viasd", "--target", str(files["model"])], "no routing mask is known for ("),
     ]:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from viasd_hf.bench.methods import Method, Outcome
 from viasd_hf.bench.quality import quality
+from viasd_hf.bench.traces import CallTracer
 from viasd_hf.data.tasks import Example
 
 TIERS = ("drafter", "slim", "full")
@@ -105,8 +106,10 @@ def run_methods(
     max_new_tokens: int,
     repeats: int = 1,
     temperature: float | None = None,
+    tracer: CallTracer | None = None,
 ) -> dict[str, MethodRuns]:
-    """Decode every example with every method, interleaved; greedy unless ``temperature`` is given (seeded alike)."""
+    """Decode every example with every method, interleaved; greedy unless ``temperature`` is given (seeded alike);
+    with ``tracer``, every timed call's passes are recorded (:mod:`viasd_hf.bench.traces`)."""
     if not examples or not methods or repeats < 1:  # refused before the run: a summary of nothing would crash after it
         raise ValueError(
             f"nothing to run: {len(examples)} examples, {len(methods)} methods, {repeats} repeats (each must be >= 1)"
@@ -125,7 +128,9 @@ def run_methods(
     runs = {name: MethodRuns() for name in methods}
     memory = PeakMemory()
     names = list(methods)
-    with tqdm(total=len(encoded) * repeats * len(names), desc="viasd bench", unit="run") as bar:
+    with tqdm(total=len(encoded) * repeats * len(names), desc="viasd bench", unit="run") as bar, (
+        tracer.tracing() if tracer else nullcontext()
+    ):
         for index, ids in enumerate(encoded):
             for name in names:
                 runs[name].seconds.append([])
@@ -133,8 +138,12 @@ def run_methods(
                 shift = (index * repeats + repeat) % len(names)
                 for name in names[shift:] + names[:shift]:
                     torch.manual_seed(1000 * index + repeat)
+                    if tracer:
+                        tracer.start()
                     with memory.measure() as peak:
                         outcome = methods[name](ids, common)
+                    if tracer:
+                        tracer.record(name, index, repeat, outcome.seconds, len(outcome.tokens))
                     runs[name].peak_memory_bytes = max(runs[name].peak_memory_bytes, peak["peak_bytes"])
                     runs[name].seconds[index].append(outcome.seconds)
                     if repeat == 0:

@@ -11,6 +11,7 @@ from viasd_hf.cli.bench import add_bench_command
 from viasd_hf.cli.demo import add_demo_command
 from viasd_hf.cli.hub import add_hub_commands
 from viasd_hf.cli.profile import add_profile_command
+from viasd_hf.cli.replay import add_replay_command
 from viasd_hf.cli.search import add_search_command
 from viasd_hf.cli.vocab import add_vocab_command
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_command(subparsers)
     add_bench_command(subparsers)
     add_profile_command(subparsers)
+    add_replay_command(subparsers)
     add_search_command(subparsers)
     add_hub_commands(subparsers)
     add_vocab_command(subparsers)

@@ -20,7 +20,9 @@ from urllib.parse import urlsplit
 from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
+from transformers import AutoConfig
 
+from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
 from viasd_hf.models import loading as models
 from viasd_hf.models import zoo
 from viasd_hf.models.quantization import QuantizationUnavailableError, scheme_names
@@ -209,3 +211,48 @@ def load_model(name: str, dtype: str, flag: str, quantization: str | None = None
         raise CommandError(f"{flag} {name}: {first_line(error)}") from error
     except (OSError, ValueError, zoo.ZooError) as error:
         raise CommandError(f"{flag} {name}: could not load the model: {first_line(error)}") from error
+
+
+# --------------------------------------------------------------------------- routing masks
+
+_OWN_MASK = "pass a mask searched for the target (`viasd search` or `viasd pull`)"
+
+
+def known_mask(target_name: str, drafters: tuple[str, ...]) -> RoutingMask | None:
+    """The first mask found offline (user cache, then ``hub_masks/``) for the target with one of ``drafters``."""
+    for drafter in drafters:
+        try:
+            return RoutingMask.from_pretrained((target_name, drafter), local_files_only=True)
+        except RoutingMaskError:
+            continue
+    return None
+
+
+def mask_from(flag: str, source: str, target: str) -> RoutingMask:
+    try:
+        mask = RoutingMask.from_pretrained(source)
+    except RoutingMaskError as error:  # not found (with where it looked) or malformed
+        raise UsageError(f"{flag} {source}: {error}") from None
+    except MALFORMED_MASK_ERRORS as error:
+        raise UsageError(f"{flag} {source}: not a valid routing mask: {first_line(error)}") from None
+    _check_mask_target(f"{flag} {source}", mask, target)
+    return mask
+
+
+def _check_mask_target(flag: str, mask: RoutingMask, target: str) -> None:
+    """Refuse a mask made for another model before the models load (minutes): for a zoo target, by name (zoo
+    models keep theirs as their id), else by the depth its config.json gives, when that is on disk. The full
+    check (config fingerprint, protected layers) runs once the target is loaded."""
+    if target in zoo.ZOO:
+        if mask.target_id in zoo.ZOO and mask.target_id != target:
+            raise UsageError(f"{flag}: this routing mask is for {mask.target_id}, not --target {target}; {_OWN_MASK}")
+        return
+    try:
+        layers = AutoConfig.from_pretrained(target, local_files_only=True).get_text_config().num_hidden_layers
+    except (OSError, ValueError):
+        return  # only loading the target can tell
+    if layers != mask.num_layers:
+        raise UsageError(
+            f"{flag}: this routing mask is for a {mask.num_layers}-layer model ({mask.target_id}), but --target "
+            f"{target} has {layers} decoder layers; {_OWN_MASK}"
+        )

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
 from viasd_hf.bench.methods import (
     ABLATIONS,
@@ -42,7 +41,9 @@ from viasd_hf.cli.args import (
     check_output_dir,
     check_output_file,
     first_line,
+    known_mask,
     load_model,
+    mask_from,
     positive_float,
     positive_int,
     positive_ints,
@@ -55,7 +56,6 @@ from viasd_hf.data.tasks import DATASETS, Example, load_examples, load_jsonl
 from viasd_hf.drafters.precision import drafting_copy
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
-from viasd_hf.models import zoo
 from viasd_hf.models.quantization import (
     QuantizationChoice,
     QuantizationUnavailableError,
@@ -67,7 +67,6 @@ from viasd_hf.models.quantization import (
 DRAFTER_METHODS = frozenset({"hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set",
                              UNQUANTIZED_REFERENCE, STEERED_REFERENCE})
 MASK_METHODS = frozenset({"viasd", "viasd_lossless"})
-_OWN_MASK = "pass a mask searched for the target (`viasd search` or `viasd pull`)"
 
 
 def _bases(names: list[str]) -> set[str]:
@@ -113,8 +112,13 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         "greedy generate at the same B, HF assisted one prompt at a time and VIA-SD at batch size 1")
     parser.add_argument("--json", help="write every figure, the environment and the command here")
     parser.add_argument("--plots", help="folder for speedup_vs_quality.png and tier_fractions.png")
+    parser.add_argument("--traces", metavar="DIR", help="record every timed call's passes here, for `viasd replay`")
     parser.set_defaults(handler=run_bench_command)
     return parser
+
+
+def _dtypes(target: nn.Module, drafter: nn.Module) -> str:
+    return f"target {str(target.dtype).removeprefix('torch.')}, drafter {str(drafter.dtype).removeprefix('torch.')}"
 
 
 def _weight_bytes(model: nn.Module) -> int:
@@ -139,46 +143,6 @@ def _load_role(args: argparse.Namespace, role: str, quantized: dict[str, Quantiz
     if not choice.quantized:
         return load_model(getattr(args, role), str(choice.scheme.dtype).removeprefix("torch."), f"--{role}")
     return load_model(getattr(args, role), args.dtype, f"--{role}", choice.scheme.name)
-
-
-def _known_mask(target_name: str, drafters: tuple[str, ...]) -> RoutingMask | None:
-    """The first mask found offline (user cache, then ``hub_masks/``) for the target with one of ``drafters``."""
-    for drafter in drafters:
-        try:
-            return RoutingMask.from_pretrained((target_name, drafter), local_files_only=True)
-        except RoutingMaskError:
-            continue
-    return None
-
-
-def _mask_from(flag: str, source: str, target: str) -> RoutingMask:
-    try:
-        mask = RoutingMask.from_pretrained(source)
-    except RoutingMaskError as error:  # not found (with where it looked) or malformed
-        raise UsageError(f"{flag} {source}: {error}") from None
-    except MALFORMED_MASK_ERRORS as error:
-        raise UsageError(f"{flag} {source}: not a valid routing mask: {first_line(error)}") from None
-    _check_mask_target(f"{flag} {source}", mask, target)
-    return mask
-
-
-def _check_mask_target(flag: str, mask: RoutingMask, target: str) -> None:
-    """Refuse a mask made for another model before the models load (minutes): for a zoo target, by name (zoo
-    models keep theirs as their id), else by the depth its config.json gives, when that is on disk. The full
-    check (config fingerprint, protected layers) runs once the target is loaded."""
-    if target in zoo.ZOO:
-        if mask.target_id in zoo.ZOO and mask.target_id != target:
-            raise UsageError(f"{flag}: this routing mask is for {mask.target_id}, not --target {target}; {_OWN_MASK}")
-        return
-    try:
-        layers = AutoConfig.from_pretrained(target, local_files_only=True).get_text_config().num_hidden_layers
-    except (OSError, ValueError):
-        return  # only loading the target can tell
-    if layers != mask.num_layers:
-        raise UsageError(
-            f"{flag}: this routing mask is for a {mask.num_layers}-layer model ({mask.target_id}), but --target "
-            f"{target} has {layers} decoder layers; {_OWN_MASK}"
-        )
 
 
 def _mask_set(args: argparse.Namespace) -> MaskSet:
@@ -223,7 +187,7 @@ def _method_names(text: str) -> list[str]:
 def _check_batch_args(args: argparse.Namespace) -> None:
     """What a batch sweep cannot do, refused with the fix (batched decoding is lossless greedy only)."""
     refused = {"--methods": args.methods != ",".join(METHODS), "--temperature": args.temperature is not None,
-               "--plots": args.plots is not None, "--quantize": bool(args.quantize)}
+               "--plots": args.plots is not None, "--quantize": bool(args.quantize), "--traces": args.traces is not None}
     for flag, given in refused.items():
         if given:
             raise UsageError(f"--batch-size compares fixed methods (batched greedy, batched lossless VIA-SD, HF "
@@ -244,8 +208,10 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
         check_output_file(args.json, "--json")
     if args.plots:
         check_output_dir(args.plots, "--plots")
+    if args.traces:
+        check_output_dir(args.traces, "--traces")
     examples = _examples(args)
-    mask = _mask_from("--mask", args.mask, args.target) if args.mask else _known_mask(args.target, (args.drafter,))
+    mask = mask_from("--mask", args.mask, args.target) if args.mask else known_mask(args.target, (args.drafter,))
     if mask is None and MASK_METHODS & _bases(names):
         raise UsageError(
             f"no routing mask is known for ({args.target}, {args.drafter}): pass --mask, find one with "
@@ -253,8 +219,8 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
             "out of --methods"
         )
     self_mask = (
-        _mask_from("--self-draft-mask", args.self_draft_mask, args.target) if args.self_draft_mask
-        else _known_mask(args.target, ("self-drafter", "self"))
+        mask_from("--self-draft-mask", args.self_draft_mask, args.target) if args.self_draft_mask
+        else known_mask(args.target, ("self-drafter", "self"))
     )
     if self_mask is None and "self_spec" in names:
         raise UsageError(
@@ -269,6 +235,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     # Here, not at the top: the scorers the runner imports (rouge_score, sacrebleu) take about a second to load.
     from viasd_hf.bench.fidelity import full_model_agreement
     from viasd_hf.bench.runner import encode, machine_bandwidth_gb_s, run_methods, summarise
+    from viasd_hf.bench.traces import CallTracer, decoding_models
 
     names, examples, mask, self_mask = check_bench_args(args)
     mask_set = _mask_set(args) if "viasd_mask_set" in _bases(names) else None
@@ -291,7 +258,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens,
                               args.drafter_context)
     methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set).build(names)
-    runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature)
+    tracer = CallTracer(args.traces, lambda: decoding_models(target, drafter)) if args.traces else None
+    runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature, tracer)
     if drafting_copy(drafter) is not None:  # reported beside --quantize's choices: what our lossless decoders drafted with
         quantized["drafter, as VIA-SD drafts (drafter_precision='auto')"] = resolve_drafting_form(drafter)
     weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0) for name in names}
@@ -325,8 +293,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print("\n".join(verdicts))
     for role, choice in quantized.items():
         print(f"{role} quantised: {choice.scheme.name} ({choice.reason})")
-    dtypes = f"target {str(target.dtype).removeprefix('torch.')}, drafter {str(drafter.dtype).removeprefix('torch.')}"
-    print(f"\n{env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {dtypes} · "
+    print(f"\n{env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {_dtypes(target, drafter)} · "
           f"machine copy bandwidth {env['machine_bandwidth_gb_s']:.1f} GB/s · {env['date']}")
     if args.json:
         print(f"wrote {args.json}")
@@ -360,8 +327,8 @@ def run_batch_sweep_command(args: argparse.Namespace, examples: list[Example], m
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(batch_markdown(rows))
-    dtypes = f"target {str(target.dtype).removeprefix('torch.')}, drafter {str(drafter.dtype).removeprefix('torch.')}"
-    print(f"\n{len(prompts)} prompts · {env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {dtypes} · "
+    print(f"\n{len(prompts)} prompts · {env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · "
+          f"{_dtypes(target, drafter)} · "
           f"{env['date']}")
     if args.json:
         print(f"wrote {args.json}")

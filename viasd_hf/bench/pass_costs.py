@@ -1,0 +1,227 @@
+"""What each kind of pass a trace holds costs on a device, measured on models built from their configs.
+
+A dense model's pass costs what its shapes cost, whatever its weights hold, so the models are
+built from the traced configs (``models.json`` of a traces folder, :mod:`viasd_hf.bench.traces`)
+with random weights: no weights, no network. Measured per traced model, in its traced form
+(fp32, bf16, fp16 or bitsandbytes 4/8-bit where bitsandbytes runs):
+
+- the decoder body over ``width`` new tokens after ``context`` cached ones, with every layer and
+  with half of them skipped (a routed pass's cost is linear in the layers it runs);
+- the LM head over ``rows`` rows for ``vocab`` logits (a draft vocabulary's head is a slice).
+
+This module needs only torch and transformers, so that ``bench/gpu_costs.py`` can load it by
+path on a machine where nothing else of viasd_hf is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+UNQUANTIZED = ("float32", "bfloat16", "float16")
+
+
+def traced_needs(folder: str | Path) -> tuple[dict[str, dict], dict[str, dict[str, list]]]:
+    """``(models, needs)`` of a traces folder (:mod:`viasd_hf.bench.traces`: ``models.json`` and ``runs.jsonl``, read
+    as plain JSON): each traced model's config and form, and the body widths (tokens × rows), cache lengths and head
+    shapes (rows, vocabulary) its passes had, which the costs must cover."""
+    folder = Path(folder)
+    models = json.loads((folder / "models.json").read_text())
+    wanted: dict[str, dict[str, set]] = {}
+    calls = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines() if line.strip()]
+    for p in (p for call in calls for p in call["passes"]):
+        want = wanted.setdefault(p["model"], {"widths": set(), "contexts": set(), "heads": set()})
+        if p["kind"] == "body":
+            want["widths"].add(p["width"] * p["batch"])
+            want["contexts"].add(p["context"])
+        else:
+            want["heads"].add((p["width"], p["vocab"]))
+    return models, {key: {name: sorted(values) for name, values in want.items()} for key, want in wanted.items()}
+
+
+def grid_widths(widths: Iterable[int]) -> list[int]:
+    """The grid points that bracket every width a trace fed (interpolation needs one on each side)."""
+    widths = sorted(set(widths))
+    if not widths:
+        return []
+    chosen = {w for w in WIDTHS if widths[0] <= w <= widths[-1]}
+    chosen |= {max([w for w in WIDTHS if w <= widths[0]], default=WIDTHS[0])}
+    chosen |= {min([w for w in WIDTHS if w >= widths[-1]], default=widths[-1])}
+    return sorted(chosen)
+
+
+def grid_contexts(contexts: Iterable[int], points: int = 3) -> list[int]:
+    """``points`` cache lengths spread over those a trace ran after (its shortest and longest included)."""
+    contexts = sorted(set(contexts))
+    if not contexts:
+        return []
+    low, high = contexts[0], contexts[-1]
+    if high - low < points:
+        return sorted({low, high})
+    return sorted({round(low + (high - low) * k / (points - 1)) for k in range(points)})
+
+
+def build(described: dict[str, Any], device: str) -> nn.Module:
+    """A causal LM shaped by ``described["config"]`` with random weights, in ``described["form"]``, on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = dict(described["config"])
+    quantization = config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    form = described["form"]
+    if form in UNQUANTIZED:
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, form)).to(device).eval()
+    if not form.startswith("bnb-"):
+        raise ValueError(f"cannot build a model in form {form!r}: known forms are {', '.join(UNQUANTIZED)}, bnb-4bit, bnb-8bit")
+    from transformers import BitsAndBytesConfig
+
+    quantization = quantization or {"load_in_4bit": form == "bnb-4bit", "load_in_8bit": form == "bnb-8bit"}
+    compute = getattr(torch, str(quantization.get("bnb_4bit_compute_dtype", "bfloat16")).removeprefix("torch."))
+    torch.manual_seed(0)
+    dense = AutoModelForCausalLM.from_config(config, dtype=compute)
+    with tempfile.TemporaryDirectory(prefix="viasd-costs-") as folder:  # transformers quantises while loading
+        dense.save_pretrained(folder)
+        del dense
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=BitsAndBytesConfig.from_dict(quantization), dtype=compute, device_map=device
+        )
+    return model.eval()
+
+
+class Timer:
+    """Seconds of a callable on ``device``: synchronised on CUDA, the median of ``repeats`` after one warm-up."""
+
+    def __init__(self, device: str, repeats: int) -> None:
+        self.cuda = device.startswith("cuda")
+        self.repeats = repeats
+
+    def __call__(self, run: Callable[[], Any], after: Callable[[], Any] = lambda: None) -> float:
+        times = []
+        for attempt in range(self.repeats + 1):
+            if self.cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            run()
+            if self.cuda:
+                torch.cuda.synchronize()
+            if attempt:
+                times.append(time.perf_counter() - started)
+            after()
+        return statistics.median(times)
+
+
+def _skipping(layers: nn.ModuleList, count: int) -> list[nn.Module]:
+    """Make the middle ``count`` layers the identity (as a routed pass skips them); returns them, to restore."""
+    start = (len(layers) - count) // 2
+    chosen = list(layers)[start : start + count]
+    for layer in chosen:
+        layer.forward = lambda hidden_states, *args, **kwargs: hidden_states
+    return chosen
+
+
+def _crop(cache: Any, length: int) -> None:
+    """Every layer of a DynamicCache back to ``length`` tokens (a skipped layer holds fewer already)."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - length
+        if extra > 0:
+            layer.crop(-extra)
+
+
+@torch.inference_mode()
+def body_costs(model: nn.Module, widths: list[int], contexts: list[int], timer: Timer, device: str) -> list[dict]:
+    """Per (width, context): the body's seconds with every layer (``full``) and per layer run (``per_layer``)."""
+    from transformers import DynamicCache
+
+    body = model.get_decoder()
+    layers = body.layers
+    half = len(layers) // 2
+    vocab = model.config.vocab_size
+    rows = []
+    for context in contexts:
+        cache = DynamicCache(config=model.config)
+        if context:
+            body(input_ids=torch.randint(vocab, (1, context), device=device), cache=cache, use_cache=True)
+        for width in widths:
+            ids = torch.randint(vocab, (1, width), device=device)
+
+            def run() -> None:
+                body(input_ids=ids, cache=cache, use_cache=True)
+
+            def crop() -> None:
+                _crop(cache, context)
+
+            full = timer(run, crop)
+            skipped = _skipping(layers, half)
+            try:
+                slim = timer(run, crop)
+            finally:
+                for layer in skipped:
+                    del layer.forward
+            per_layer = max(full - slim, 0.0) / half
+            rows.append({"width": width, "context": context, "full": full, "per_layer": per_layer,
+                         "layers": len(layers)})
+    return rows
+
+
+@torch.inference_mode()
+def head_costs(model: nn.Module, shapes: Iterable[tuple[int, int]], timer: Timer, device: str) -> list[dict]:
+    """Per (rows, vocab): the LM head's seconds over ``rows`` hidden states for the first ``vocab`` of its rows."""
+    head = model.get_output_embeddings()
+    hidden_size = head.weight.shape[1]
+    rows = []
+    for count, vocab in sorted(set(shapes)):
+        weight = head.weight[:vocab].contiguous()
+        hidden = torch.randn(count, hidden_size, device=device, dtype=weight.dtype)
+        seconds = timer(lambda: F.linear(hidden, weight).float())
+        rows.append({"rows": count, "vocab": vocab, "seconds": seconds})
+    return rows
+
+
+def measure_costs(models: dict[str, dict], needs: dict[str, dict[str, list]], device: str, repeats: int = 3,
+                  progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Costs of every traced model: ``needs[key]`` lists the body widths and contexts and the head (rows, vocab)
+    shapes to measure (:func:`traced_needs`)."""
+    timer = Timer(device, repeats)
+    costs: dict[str, Any] = {"device": device_name(device), "torch": torch.__version__, "models": {}}
+    for key, described in models.items():
+        if key not in needs:
+            continue
+        progress(f"measuring {key} on {device} ...")
+        model = build(described, device)
+        want = needs[key]
+        costs["models"][key] = {
+            "body": body_costs(model, grid_widths(want["widths"]), grid_contexts(want["contexts"]), timer, device),
+            "head": head_costs(model, [tuple(shape) for shape in want["heads"]], timer, device),
+        }
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return costs
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f", {torch.get_num_threads()} threads"
+    except OSError:
+        pass
+    return f"cpu, {torch.get_num_threads()} threads"
+
+
+def write_costs(costs: dict[str, Any], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(costs, indent=1) + "\n")
