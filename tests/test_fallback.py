@@ -98,6 +98,24 @@ def test_a_one_off_cost_makes_probes_rarer_without_counting_as_throughput():
     assert dear.schedule.due_at > cheap.schedule.due_at
 
 
+def test_a_probe_of_speculation_counts_the_drafters_read_in_full_in_what_it_is_expected_to_lose():
+    """Speculation a little slower than plain decoding (its blocks 5 % short) but a read of 2 s before the probe's
+    first draft: the probe costs the read whatever the rates, so the next one waits as long as the schedule allows
+    (2 s is 2 % of 100 s, a thousand plain blocks of 0.1 s); without the read it comes after the doubled interval."""
+    switches = {}
+    for read in (0.0, 2.0):
+        switch = SpeculationSwitch()
+        for block in range(4):
+            speculated = switch.speculates()
+            switch.observe(speculated, 3 if speculated else 1, 3 / 9.5 if speculated else 0.1,
+                           one_off=read if speculated and block == 2 else 0.0)  # fmt: skip
+        switches[read] = switch
+    assert not switches[2.0].speculating and switches[2.0].probe_loss() == pytest.approx(
+        2 * (3 / 9.5) * (1 - 9.5 / 10) + 2.0)
+    assert switches[2.0].schedule.interval == switches[2.0].schedule.longest
+    assert switches[0.0].schedule.interval == 2 * switches[0.0].schedule.every
+
+
 def test_a_block_the_length_limit_cut_short_counts_but_measures_nothing():
     """The last blocks of a call draft only what room is left: their pace is no measure of speculation's."""
     switch = SpeculationSwitch(speculating=True)

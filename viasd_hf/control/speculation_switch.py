@@ -26,7 +26,11 @@ has left: at B = 8, a 0.5B drafter reading eight 160-token prompts took 4.4 s at
 through its 4-bit kernel), more than speculating then saved over 48 tokens a row (Qwen2.5-Coder
 0.5B → 1.5B, AMD EPYC Zen4, two threads; ``bench/studies/batch_read/study.py``). So a call whose
 drafter has not read decodes plainly when the read, priced from what earlier reads cost against the
-target's prefill, would not be earned back (``SpeculationSwitch.reading_pays``).
+target's prefill, would not be earned back (``SpeculationSwitch.reading_pays``). Every probe of
+speculation after plain blocks pays such a read too (the tokens decoded since the drafter last
+drafted), so a probe's expected loss counts the read in full: where speculation loses, probes whose
+read costs seconds come seldom (on an AVX2-only Zen3 with bf16 emulated, the demo's probes cost
+VIA-SD 4 % against greedy while each read was charged only at speculation's shortfall).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class SpeculationSwitch:
     switches: list[dict] = field(default_factory=list)
     advised: bool = False  # whether the user was told why decoding fell back (``fallback_advice``)
     reading: FadedMean = field(default_factory=FadedMean)  # the drafter's seconds to read a token / the target's
+    reads: FadedMean = field(default_factory=FadedMean)  # seconds a probe of speculation spent first reading (one-off)
     advice_gap: float = 0.1  # how much slower speculation must measure before the user is told it does not pay
 
     def speculates(self) -> bool:
@@ -89,7 +94,9 @@ class SpeculationSwitch:
             return
         probing = self.schedule.due(self.block)
         (self.speculative if speculated else self.plain).observe(tokens, self.decay, weight=seconds)
-        self.block_seconds[speculated].observe(seconds + one_off, self.decay)
+        self.block_seconds[speculated].observe(seconds, self.decay)
+        if one_off > 0:
+            self.reads.observe(one_off, self.decay)
         self.block += 1
         if not probing:
             if self._other_is_faster():
@@ -123,13 +130,16 @@ class SpeculationSwitch:
         return tokens_left * (1 / plain - 1 / speculative) > read_seconds
 
     def probe_loss(self) -> float:
-        """The seconds a probe of the regime not in use is expected to lose against the one in use, as measured."""
+        """The seconds a probe of the regime not in use is expected to lose against the one in use, as measured: its
+        blocks' shortfall, and for a probe of speculation the whole of the drafter's read before its first draft
+        (the context decoded plainly since it last drafted), which no speed of speculation earns back within a probe."""
         probed, used = not self.speculating, self.speculating
         rate, other = self._rate(probed), self._rate(used)
         block = self.block_seconds[probed].mean()
         if rate is None or other is None or block is None:
             return 0.0
-        return self.probe_blocks * block * max(1 - rate / other, 0.0)
+        read = (self.reads.mean() or 0.0) if probed else 0.0
+        return self.probe_blocks * block * max(1 - rate / other, 0.0) + read
 
     def clearly_loses(self) -> bool:
         """Whether speculation measured slower than plain decoding by ``advice_gap``: a near tie, as a call's first
