@@ -306,8 +306,9 @@ def test_the_advice_names_emulated_bf16_only_for_a_bf16_model():
 def test_the_advice_says_what_to_do_where_bf16_is_emulated(monkeypatch):
     model = tiny_causal_lm("llama", seed=0, dtype=torch.bfloat16)
     monkeypatch.setattr("viasd_hf.control.speculation_switch.native_bf16", lambda: False)
-    assert "load the target in float32" in fallback_advice(model, 4.6)
-    assert "load the target in float32" in fallback_advice(model, None)
+    for ratio in (4.6, None):
+        advice = fallback_advice(model, ratio)
+        assert "a float32 target verifies several tokens" in advice and "viasd profile" in advice
     cheap_verify = fallback_advice(model, 1.1)  # verifying costs little: the drafter, not bf16, is the trouble
     assert "emulated" not in cheap_verify and "1.1x a one-token pass" in cheap_verify and "drafter" in cheap_verify
 
@@ -321,3 +322,25 @@ def test_plain_fallback_off_speculates_on_every_block(pair, prompt_ids, single_t
     assert out.viasd_stats.plain_blocks == 0 and out.viasd_stats.drafted_tokens > 0
     with pytest.raises(TypeError, match="plain_fallback must be True or False"):
         ViaSDConfig(plain_fallback=1)
+
+
+def test_the_demo_says_why_where_viasd_decoded_mostly_plainly(monkeypatch):
+    """From the target's measured passes: the cost of verifying in its own dtype, and the other dtypes' figures."""
+    from types import SimpleNamespace
+
+    from viasd_hf.bench.demo import Row, why_plain
+    from viasd_hf.engine.stats import ViaSDStats
+
+    monkeypatch.setattr("viasd_hf.control.speculation_switch.native_bf16", lambda: False)
+    target = tiny_causal_lm("llama", seed=0, dtype=torch.bfloat16)
+    measurements = [SimpleNamespace(scheme="bf16", decode_ms=240.0, verify_ms=991.0, decode_ratio=1.0),
+                    SimpleNamespace(scheme="fp32", decode_ms=389.0, verify_ms=1118.0, decode_ratio=1.62)]
+    rows = [Row("greedy"), Row("VIA-SD", stats={"code": ViaSDStats(blocks=54, plain_blocks=50),
+                                                 "edit": ViaSDStats(blocks=63, plain_blocks=63)})]
+    why = why_plain(target, rows, measurements)
+    assert why.startswith("VIA-SD decoded 113 of its 117 blocks plainly")
+    assert "4.1x a one-token pass" in why and "emulated" in why
+    assert "in fp32 a one-token pass takes 389 ms (1.62x bf16's) and a 6-token pass 2.9x that" in why
+    rows[1].stats["code"].plain_blocks = 0
+    rows[1].stats["edit"].plain_blocks = 40
+    assert why_plain(target, rows, measurements) is None  # most blocks speculated: nothing to explain

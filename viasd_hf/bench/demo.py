@@ -19,11 +19,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from viasd_hf.config import ViaSDConfig
+from viasd_hf.control.speculation_switch import fallback_advice
 from viasd_hf.drafters.precision import fastest_form
 from viasd_hf.generation import enable_viasd
 from viasd_hf.models.loading import load_pretrained
 from viasd_hf.models.quantization import resolve_dtype
 from viasd_hf.models.quantization.choice import resolve_drafting_form
+from viasd_hf.models.quantization.schemes import UNQUANTIZED
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
@@ -64,6 +66,7 @@ class DemoReport:
     rows: list[Row]
     max_new_tokens: int
     threads: int
+    why_plain: str | None = None  # where VIA-SD decoded mostly plainly: why, from the target's measured pass costs
 
     def ratio(self, method: str, baseline: str) -> float:
         rates = {row.method: row.tokens_per_second for row in self.rows}
@@ -91,7 +94,7 @@ class DemoReport:
             }  # fmt: skip
         return {"target": self.target, "drafter": self.drafter, "precision": self.precision,
                 "max_new_tokens": self.max_new_tokens, "threads": self.threads, "prompts": list(PROMPTS),
-                "methods": methods}  # fmt: skip
+                "methods": methods, "why_plain": self.why_plain}  # fmt: skip
 
 
 def identity(row: Row) -> str:
@@ -195,7 +198,8 @@ def run_demo(
     print(f"loading {target_name} (dtype {dtype}) ...", flush=True)
     target, tokenizer = load_pretrained(target_name, dtype=dtype)
     enable_viasd(target)
-    why = resolve_dtype(target_name).reason if dtype == "auto" else "as asked with --dtype"
+    measured = resolve_dtype(target_name) if dtype == "auto" else None  # load_pretrained measured it: now cached
+    why = measured.reason if measured else "as asked with --dtype"
     precision = {"target": f"{dtype_name(target)}: {why}"}
     if drafter_name:
         print(f"loading drafter {drafter_name} ({dtype_name(target)}, as the target) ...", flush=True)
@@ -212,12 +216,27 @@ def run_demo(
     prompts = {kind: encode(tokenizer, text) for kind, text in PROMPTS.items()}
     rows = run_methods(demo_methods(target, drafting, ViaSDConfig()), prompts, max_new_tokens)
     report = DemoReport(target_name, drafter_name or "prompt lookup", precision, rows, max_new_tokens,
-                        torch.get_num_threads())  # fmt: skip
+                        torch.get_num_threads(), why_plain(target, rows, measured.measurements if measured else ()))  # fmt: skip
     print_report(report, tokenizer)
     if json_path:
         Path(json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
         print(f"[json] {json_path}")
     return report
+
+
+def why_plain(target: nn.Module, rows: list[Row], measurements) -> str | None:
+    """Where VIA-SD decoded most of its blocks plainly, why: the fallback advice with the target's measured cost of a
+    6-token pass against a one-token pass, in its dtype and in the other unquantised ones measured here."""
+    stats = list(next(row for row in rows if row.method == "VIA-SD").stats.values())
+    blocks, plain = sum(s.blocks for s in stats), sum(s.plain_blocks for s in stats)
+    if not blocks or plain < blocks / 2:
+        return None
+    timed = [m for m in measurements if m.scheme in UNQUANTIZED and m.decode_ms and m.verify_ms]
+    ours = next((m for m in timed if UNQUANTIZED[m.scheme].dtype == target.dtype), None)
+    reason = fallback_advice(target, ours.verify_ms / ours.decode_ms if ours else None)
+    others = [f"in {m.scheme} a one-token pass takes {m.decode_ms:.0f} ms ({m.decode_ratio:.2f}x bf16's) and a 6-token "
+              f"pass {m.verify_ms / m.decode_ms:.1f}x that" for m in timed if m is not ours]
+    return f"VIA-SD decoded {plain} of its {blocks} blocks plainly: {reason}" + "".join(f"; {o}" for o in others)
 
 
 def dtype_name(model: nn.Module) -> str:
@@ -240,5 +259,8 @@ def print_report(report: DemoReport, tokenizer) -> None:
         print(f"[VIA-SD, {kind}] {stats.summary()}; {stats.speculation_verdict or ''}")
     best = max(report.baselines(), key=lambda name: next(r for r in report.rows if r.method == name).tokens_per_second)
     verdict = "faster" if report.ratio("VIA-SD", best) > 1 else "not faster"
+    versus_greedy = "" if best == "greedy" else f", {report.ratio('VIA-SD', 'greedy'):.2f}x greedy"
     print(f"\n[verdict] VIA-SD is {verdict} than the best alternative here ({best}): "
-          f"{report.ratio('VIA-SD', best):.2f}x, {report.ratio('VIA-SD', 'greedy'):.2f}x greedy")  # fmt: skip
+          f"{report.ratio('VIA-SD', best):.2f}x{versus_greedy}")  # fmt: skip
+    if report.why_plain:
+        print(f"[why] {report.why_plain}")

@@ -198,7 +198,8 @@ def fallback_advice(model: torch.nn.Module, verify_ratio: float | None) -> str:
     costly_verify = verify_ratio is None or verify_ratio >= EMULATED_VERIFY_RATIO
     if model.dtype == torch.bfloat16 and model.device.type == "cpu" and not native_bf16() and costly_verify:
         advice = ("this CPU has no native bf16, so bf16 matrix products are emulated and verifying k tokens costs about "
-                  "k one-token passes: load the target in float32 (load_pretrained(name, dtype='auto') measures which "
-                  "is faster)")  # fmt: skip
+                  "k one-token passes: a float32 target verifies several tokens for little more than one, but its "
+                  "one-token passes are slower (`viasd profile --target NAME --precision` shows both here); plain bf16 "
+                  "decoding may be the fastest this machine allows")  # fmt: skip
     return f"speculation does not pay for this model on this machine, so VIA-SD decodes plainly{measured}: {advice}"
 
