@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,11 +75,13 @@ COSTS = {
     "device": "test",
     "models": {
         "target (float32)": {
-            "body": [
-                {"width": 1, "context": 0, "full": 1.0, "per_layer": 0.1, "layers": 6},
-                {"width": 5, "context": 0, "full": 2.0, "per_layer": 0.3, "layers": 6},
-                {"width": 1, "context": 100, "full": 2.0, "per_layer": 0.2, "layers": 6},
-                {"width": 5, "context": 100, "full": 3.0, "per_layer": 0.4, "layers": 6},
+            "body": [  # a prompt's passes (no context), then passes over 50 and 150 cached tokens
+                {"width": 16, "context": 0, "full": 4.0, "per_layer": None, "layers": 6},
+                {"width": 64, "context": 0, "full": 10.0, "per_layer": None, "layers": 6},
+                {"width": 1, "context": 50, "full": 1.0, "per_layer": 0.1, "layers": 6},
+                {"width": 5, "context": 50, "full": 2.0, "per_layer": 0.3, "layers": 6},
+                {"width": 1, "context": 150, "full": 2.0, "per_layer": 0.2, "layers": 6},
+                {"width": 5, "context": 150, "full": 3.0, "per_layer": 0.4, "layers": 6},
             ],
             "head": [{"rows": 1, "vocab": 96, "seconds": 0.5}, {"rows": 5, "vocab": 96, "seconds": 0.9},
                      {"rows": 1, "vocab": 48, "seconds": 0.25}],
@@ -89,17 +92,20 @@ COSTS = {
 
 def test_a_pass_is_priced_by_interpolating_the_grid_and_a_routed_pass_by_its_layers():
     costs = ModelCosts("target (float32)", COSTS["models"]["target (float32)"])
-    assert costs.price(Pass("target (float32)", "body", 1, context=0, layers=6)) == pytest.approx(1.0)
-    assert costs.price(Pass("target (float32)", "body", 3, context=50, layers=6)) == pytest.approx(2.0)
-    assert costs.price(Pass("target (float32)", "body", 1, context=100, layers=4)) == pytest.approx(2.0 - 2 * 0.2)
+    assert costs.price(Pass("target (float32)", "body", 1, context=50, layers=6)) == pytest.approx(1.0)
+    assert costs.price(Pass("target (float32)", "body", 3, context=100, layers=6)) == pytest.approx(2.0)
+    assert costs.price(Pass("target (float32)", "body", 1, context=150, layers=4)) == pytest.approx(2.0 - 2 * 0.2)
+    assert costs.price(Pass("target (float32)", "body", 40, context=0, layers=6)) == pytest.approx(7.0)
     assert costs.price(Pass("target (float32)", "head", 3, vocab=96)) == pytest.approx(0.7)
     assert costs.price(Pass("target (float32)", "head", 1, vocab=48)) == pytest.approx(0.25)
     with pytest.raises(KeyError, match="no head .* 12 rows of vocabulary"):
         costs.price(Pass("target (float32)", "head", 1, vocab=12))
+    with pytest.raises(KeyError, match="no routed passes"):  # measured without skipping: no trace asked for it
+        costs.price(Pass("target (float32)", "body", 40, context=0, layers=4))
 
 
 def test_a_replay_sums_the_priced_passes_and_keeps_the_loop_seconds_as_recorded():
-    passes = [Pass("target (float32)", "body", 5, context=0, layers=6, seconds=1.5),
+    passes = [Pass("target (float32)", "body", 5, context=50, layers=6, seconds=1.5),
               Pass("target (float32)", "head", 1, vocab=96, seconds=0.5)]
     calls = [CallTrace("greedy", 0, 0, seconds=3.0, new_tokens=4, passes=passes),
              CallTrace("greedy", 1, 0, seconds=3.0, new_tokens=4, passes=passes)]
@@ -124,8 +130,10 @@ def traces(tmp_path, prompt_ids) -> Path:
     recorder = PassRecorder(models)
     with recorder.recording():
         for method, extra in (("greedy", {}), ("viasd_lossless", {"assistant_model": drafter, "viasd_config": config})):
+            started = time.perf_counter()
             out = target.generate(prompt_ids, max_new_tokens=12, do_sample=False, **extra)
-            writer.write(CallTrace(method, 0, 0, 1.0, out.shape[1] - prompt_ids.shape[1], recorder.take()))
+            seconds = time.perf_counter() - started
+            writer.write(CallTrace(method, 0, 0, seconds, out.shape[1] - prompt_ids.shape[1], recorder.take()))
     return tmp_path / "traces"
 
 

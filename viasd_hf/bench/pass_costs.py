@@ -29,32 +29,43 @@ from torch import nn
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 UNQUANTIZED = ("float32", "bfloat16", "float16")
+PREFILL_POINTS = 3  # grid widths inside the range of a trace's prompt passes
 
 
 def traced_needs(folder: str | Path) -> tuple[dict[str, dict], dict[str, dict[str, list]]]:
     """``(models, needs)`` of a traces folder (:mod:`viasd_hf.bench.traces`: ``models.json`` and ``runs.jsonl``, read
-    as plain JSON): each traced model's config and form, and the body widths (tokens × rows), cache lengths and head
-    shapes (rows, vocabulary) its passes had, which the costs must cover."""
+    as plain JSON): each traced model's config and form, and what its passes had, which the costs must cover: the
+    widths (tokens × rows) of passes over an empty cache (a prompt) and of the others with their cache lengths, the
+    layers run and the head shapes (rows, vocabulary)."""
     folder = Path(folder)
     models = json.loads((folder / "models.json").read_text())
     wanted: dict[str, dict[str, set]] = {}
     calls = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines() if line.strip()]
     for p in (p for call in calls for p in call["passes"]):
-        want = wanted.setdefault(p["model"], {"widths": set(), "contexts": set(), "heads": set()})
-        if p["kind"] == "body":
+        want = wanted.setdefault(p["model"], {"prefills": set(), "widths": set(), "contexts": set(), "heads": set(),
+                                              "layers": set()})
+        if p["kind"] == "body" and p["context"] == 0:
+            want["prefills"].add(p["width"] * p["batch"])
+            want["layers"].add(p["layers"])
+        elif p["kind"] == "body":
             want["widths"].add(p["width"] * p["batch"])
             want["contexts"].add(p["context"])
+            want["layers"].add(p["layers"])
         else:
             want["heads"].add((p["width"], p["vocab"]))
     return models, {key: {name: sorted(values) for name, values in want.items()} for key, want in wanted.items()}
 
 
-def grid_widths(widths: Iterable[int]) -> list[int]:
-    """The grid points that bracket every width a trace fed (interpolation needs one on each side)."""
+def grid_widths(widths: Iterable[int], points: int | None = None) -> list[int]:
+    """The grid points that bracket every width a trace fed (interpolation needs one on each side); with ``points``,
+    at most that many inside (a prompt's pass costs about linearly in its width, and a wide one takes seconds)."""
     widths = sorted(set(widths))
     if not widths:
         return []
-    chosen = {w for w in WIDTHS if widths[0] <= w <= widths[-1]}
+    inside = [w for w in WIDTHS if widths[0] <= w <= widths[-1]]
+    if points is not None and len(inside) > points:
+        inside = [inside[round(k * (len(inside) - 1) / (points - 1))] for k in range(points)]
+    chosen = set(inside)
     chosen |= {max([w for w in WIDTHS if w <= widths[0]], default=WIDTHS[0])}
     chosen |= {min([w for w in WIDTHS if w >= widths[-1]], default=widths[-1])}
     return sorted(chosen)
@@ -139,8 +150,10 @@ def _crop(cache: Any, length: int) -> None:
 
 
 @torch.inference_mode()
-def body_costs(model: nn.Module, widths: list[int], contexts: list[int], timer: Timer, device: str) -> list[dict]:
-    """Per (width, context): the body's seconds with every layer (``full``) and per layer run (``per_layer``)."""
+def body_costs(model: nn.Module, widths: list[int], contexts: list[int], timer: Timer, device: str,
+               routed: bool = True) -> list[dict]:
+    """Per (width, context): the body's seconds with every layer (``full``) and per layer run (``per_layer``, timed
+    with half the layers skipped where ``routed``: some traced pass ran fewer than all; else ``None``)."""
     from transformers import DynamicCache
 
     body = model.get_decoder()
@@ -162,13 +175,15 @@ def body_costs(model: nn.Module, widths: list[int], contexts: list[int], timer: 
                 _crop(cache, context)
 
             full = timer(run, crop)
-            skipped = _skipping(layers, half)
-            try:
-                slim = timer(run, crop)
-            finally:
-                for layer in skipped:
-                    del layer.forward
-            per_layer = max(full - slim, 0.0) / half
+            per_layer = None
+            if routed:
+                skipped = _skipping(layers, half)
+                try:
+                    slim = timer(run, crop)
+                finally:
+                    for layer in skipped:
+                        del layer.forward
+                per_layer = max(full - slim, 0.0) / half
             rows.append({"width": width, "context": context, "full": full, "per_layer": per_layer,
                          "layers": len(layers)})
     return rows
@@ -200,8 +215,11 @@ def measure_costs(models: dict[str, dict], needs: dict[str, dict[str, list]], de
         progress(f"measuring {key} on {device} ...")
         model = build(described, device)
         want = needs[key]
+        routed = min(want["layers"], default=0) < model.config.num_hidden_layers
+        grids = [(grid_widths(want["prefills"], PREFILL_POINTS), [0])] if want["prefills"] else []
+        grids += [(grid_widths(want["widths"]), grid_contexts(want["contexts"]))] if want["widths"] else []
         costs["models"][key] = {
-            "body": body_costs(model, grid_widths(want["widths"]), grid_contexts(want["contexts"]), timer, device),
+            "body": [row for widths, contexts in grids for row in body_costs(model, widths, contexts, timer, device, routed)],
             "head": head_costs(model, [tuple(shape) for shape in want["heads"]], timer, device),
         }
         del model

@@ -38,27 +38,31 @@ class ModelCosts:
         self.key = key
         self.body = {(row["context"], row["width"]): row for row in measured["body"]}
         self.contexts = sorted({context for context, _ in self.body})
-        self.widths = sorted({width for _, width in self.body})
-        self.layers = measured["body"][0]["layers"] if measured["body"] else 0
+        self.widths = {c: sorted(w for context, w in self.body if context == c) for c in self.contexts}
         self.heads: dict[int, dict[int, float]] = defaultdict(dict)
         for row in measured["head"]:
             self.heads[row["vocab"]][row["rows"]] = row["seconds"]
 
     def _body_at(self, context: int, width: float, layers: int) -> float:
-        lo, hi, t = _between(self.widths, width)
+        widths = self.widths[context]
+        lo, hi, t = _between(widths, width)
         priced = []
-        for w in (self.widths[lo], self.widths[hi]):
+        for w in (widths[lo], widths[hi]):
             row = self.body[(context, w)]
-            priced.append(row["full"] - (row["layers"] - layers) * row["per_layer"])
+            if layers < row["layers"] and row["per_layer"] is None:
+                raise KeyError(f"the costs of {self.key} hold no routed passes: measure them on these traces")
+            priced.append(row["full"] - (row["layers"] - layers) * (row["per_layer"] or 0.0))
         return max(priced[0] + t * (priced[1] - priced[0]), 0.0)
 
     def price(self, p: Pass) -> float:
         if p.kind == "body":
-            if not self.widths:
+            if not self.contexts:
                 raise KeyError(f"the costs hold no body passes of {self.key}")
-            lo, hi, t = _between(self.contexts, p.context)
-            low = self._body_at(self.contexts[lo], p.width * p.batch, p.layers)
-            high = self._body_at(self.contexts[hi], p.width * p.batch, p.layers)
+            decoding = [c for c in self.contexts if c > 0]  # a prompt's pass (no context) is priced from its own grid
+            contexts = decoding if p.context > 0 and decoding else self.contexts
+            lo, hi, t = _between(contexts, p.context)
+            low = self._body_at(contexts[lo], p.width * p.batch, p.layers)
+            high = self._body_at(contexts[hi], p.width * p.batch, p.layers)
             return max(low + t * (high - low), 0.0)
         by_rows = self.heads.get(p.vocab)
         if not by_rows:
