@@ -111,25 +111,31 @@ def build(described: dict[str, Any], device: str) -> nn.Module:
 
 
 class Timer:
-    """Seconds of a callable on ``device``: synchronised on CUDA, the median of ``repeats`` after one warm-up."""
+    """Seconds of a callable on ``device``: synchronised on CUDA, the median of ``repeats`` after one warm-up; a call
+    of over ``long`` seconds is timed once, its warm-up kept (a first call's setup is lost in its seconds, and a
+    prompt's pass with emulated bf16 takes a minute)."""
 
-    def __init__(self, device: str, repeats: int) -> None:
+    def __init__(self, device: str, repeats: int, long: float = 1.0) -> None:
         self.cuda = device.startswith("cuda")
         self.repeats = repeats
+        self.long = long
+
+    def _once(self, run: Callable[[], Any], after: Callable[[], Any]) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        if self.cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        after()
+        return seconds
 
     def __call__(self, run: Callable[[], Any], after: Callable[[], Any] = lambda: None) -> float:
-        times = []
-        for attempt in range(self.repeats + 1):
-            if self.cuda:
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            run()
-            if self.cuda:
-                torch.cuda.synchronize()
-            if attempt:
-                times.append(time.perf_counter() - started)
-            after()
-        return statistics.median(times)
+        first = self._once(run, after)
+        if first > self.long:
+            return first
+        return statistics.median(self._once(run, after) for _ in range(self.repeats))
 
 
 def _skipping(layers: nn.ModuleList, count: int) -> list[nn.Module]:
