@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import VOCAB, tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.bench.replay import ModelCosts, replay, self_check
-from viasd_hf.bench.traces import CallTrace, Pass, PassRecorder, TraceWriter, read_traces
+from viasd_hf.bench.traces import CallTrace, Pass, PassRecorder, TraceWriter, form_of, model_key, read_traces
 from viasd_hf.cli import main
 from viasd_hf.vocabulary import DraftVocabulary
 from viasd_hf.vocabulary.store import config_fingerprint
@@ -181,3 +182,12 @@ def test_a_loaded_trace_is_the_trace_written(traces):
     assert models["target (float32)"]["config"]["num_hidden_layers"] == 6
     lines = (traces / "runs.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [json.loads(call.to_json()) for call in calls]
+
+
+def test_a_models_form_is_its_dtype_or_the_quantisation_transformers_loaded_it_with():
+    model = tiny_causal_lm("qwen2", dtype=torch.bfloat16)
+    assert form_of(model) == "bfloat16"
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    assert form_of(model) == "bnb-4bit"
+    model.config.quantization_config = {"quant_method": "torchao", "quant_type": "int4_weight_only"}
+    assert form_of(model) == "torchao" and model_key("drafting copy", model) == "drafting copy (torchao)"

@@ -2,8 +2,9 @@
 
 A dense model's pass costs what its shapes cost, whatever its weights hold, so the models are
 built from the traced configs (``models.json`` of a traces folder, :mod:`viasd_hf.bench.traces`)
-with random weights: no weights, no network. Measured per traced model, in its traced form
-(fp32, bf16, fp16 or bitsandbytes 4/8-bit where bitsandbytes runs):
+with random weights: no weights, no network. Measured per traced model, in its traced form (fp32,
+bf16, fp16, or the quantisation transformers loaded it with, bitsandbytes or torchao, where that
+library runs):
 
 - the decoder body over ``width`` new tokens after ``context`` cached ones, with every layer and
   with half of them skipped (a routed pass's cost is linear in the layers it runs);
@@ -93,19 +94,19 @@ def build(described: dict[str, Any], device: str) -> nn.Module:
     if form in UNQUANTIZED:
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, form)).to(device).eval()
-    if not form.startswith("bnb-"):
-        raise ValueError(f"cannot build a model in form {form!r}: known forms are {', '.join(UNQUANTIZED)}, bnb-4bit, bnb-8bit")
-    from transformers import BitsAndBytesConfig
+    if quantization is None:
+        raise ValueError(f"cannot build a model in form {form!r} without its quantization_config in the traced config")
+    from transformers.quantizers.auto import AutoQuantizationConfig
 
-    quantization = quantization or {"load_in_4bit": form == "bnb-4bit", "load_in_8bit": form == "bnb-8bit"}
-    compute = getattr(torch, str(quantization.get("bnb_4bit_compute_dtype", "bfloat16")).removeprefix("torch."))
+    dtype = getattr(torch, str(quantization.get("bnb_4bit_compute_dtype", described.get("dtype", "bfloat16")))
+                    .removeprefix("torch."))
     torch.manual_seed(0)
-    dense = AutoModelForCausalLM.from_config(config, dtype=compute)
+    dense = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with tempfile.TemporaryDirectory(prefix="viasd-costs-") as folder:  # transformers quantises while loading
         dense.save_pretrained(folder)
         del dense
         model = AutoModelForCausalLM.from_pretrained(
-            folder, quantization_config=BitsAndBytesConfig.from_dict(quantization), dtype=compute, device_map=device
+            folder, quantization_config=AutoQuantizationConfig.from_dict(quantization), dtype=dtype, device_map=device
         )
     return model.eval()
 

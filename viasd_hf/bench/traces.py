@@ -79,12 +79,19 @@ class CallTrace:
 
 
 def form_of(model: nn.Module) -> str:
-    """The form a model's weights are in: a bitsandbytes scheme, else its floating-point dtype."""
-    kinds = {type(module).__name__ for module in model.modules()}
-    if "Linear4bit" in kinds:
-        return "bnb-4bit"
-    if "Linear8bitLt" in kinds:
-        return "bnb-8bit"
+    """The form a model's weights are in: the quantisation transformers loaded it with (bitsandbytes 4/8-bit, torchao),
+    else its floating-point dtype."""
+    quantization = getattr(base_model(model).config, "quantization_config", None)
+    if quantization is None:
+        return _dtype_of(model)
+    settings = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    method = str(settings.get("quant_method", "quantized")).removeprefix("QuantizationMethod.").lower()
+    if method == "bitsandbytes":
+        return "bnb-4bit" if settings.get("load_in_4bit") else "bnb-8bit"
+    return method
+
+
+def _dtype_of(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
@@ -205,7 +212,8 @@ class TraceWriter:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         described = {
-            model_key(role, model): {"role": role, "form": form_of(model), "config": base_model(model).config.to_dict()}
+            model_key(role, model): {"role": role, "form": form_of(model), "dtype": _dtype_of(model),
+                                     "config": base_model(model).config.to_dict()}
             for role, model in models.items()
         }
         (self.folder / MODELS_FILE).write_text(json.dumps(described, indent=1, default=str) + "\n")
