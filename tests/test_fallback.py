@@ -178,6 +178,34 @@ def test_a_batch_decodes_plainly_where_the_drafters_read_of_the_prompts_would_no
     assert long.drafter_forwards > 0 and long.speculation_verdict.startswith("speculating")
 
 
+def test_a_single_sequence_decodes_plainly_where_the_drafters_read_of_the_prompt_would_not_pay(single_thread):
+    """As for a batch: once the switch speculates, a call whose drafter would first read a long prompt at great cost
+    decodes plainly without it when few tokens are left to earn the read back (priced before the target's first pass,
+    from earlier calls' reads and prefills), and reads and speculates when many are."""
+    target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)  # every draft is accepted
+    enable_viasd(target)
+    SlowForward(target, 0.01)
+    SlowReading(drafter, 0.5, columns=48)  # reading a 60-token prompt costs 50 target passes
+    ids = torch.randint(2, 96, (1, 60), generator=torch.Generator().manual_seed(0))
+    config = ViaSDConfig(use_slim=False, drafter_precision="as_loaded")
+
+    def call(max_new_tokens):
+        out = target.generate(ids, assistant_model=drafter, viasd_config=config, max_new_tokens=max_new_tokens,
+                              do_sample=False, return_dict_in_generate=True)  # fmt: skip
+        expected = target.generate(ids, viasd_config=None, max_new_tokens=max_new_tokens, do_sample=False)
+        assert torch.equal(out.sequences, expected)
+        return out.viasd_stats
+
+    learned = call(80)  # began plainly; a probe read the context, speculated and kept speculating
+    assert learned.drafter_forwards > 0 and learned.speculation_verdict.startswith("speculating")
+    short = call(8)
+    assert short.drafter_forwards == 0 and short.plain_blocks == short.blocks
+    assert re.match(r"plain decoding: the drafter would first read 59 tokens \(about [\d.]+ s\), more than "
+                    r"speculating can save over the 8 tokens left \(speculative blocks", short.speculation_verdict)
+    long = call(150)
+    assert long.drafter_forwards > 0 and long.speculation_verdict.startswith("speculating")
+
+
 def test_the_user_is_told_speculation_does_not_pay_only_where_it_measured_clearly_slower():
     switch = SpeculationSwitch()
     assert not switch.clearly_loses(), "nothing measured"

@@ -3,6 +3,7 @@ and the drafter's machine-chosen copy in lossless greedy decoding (``ViaSDConfig
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -28,8 +29,10 @@ from viasd_hf.models.quantization import (
     resolve_dtype,
 )
 from viasd_hf.models.quantization import choice as quantization_choice
-from viasd_hf.models.quantization.measure import ruled_out_by_screen, time_in_rounds
+from viasd_hf.models.quantization.measure import time_in_rounds
+from viasd_hf.models.quantization.probe import ruled_out_by_screen
 
+quantization_measure = importlib.import_module("viasd_hf.models.quantization.measure")  # the package's `measure` is a function
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
@@ -102,6 +105,45 @@ def test_a_tiny_model_in_memory_is_measured_in_its_unquantised_forms_and_left_as
     assert measurements[0].decode_ratio == 1.0 and measurements[0].top1 > 0.8  # bf16 against float32
     assert model.dtype == torch.float32 and all(torch.equal(before[n], t) for n, t in model.state_dict().items())
     assert "| fp32 | " in markdown_table(measurements)
+
+
+@pytest.mark.parametrize("quantised", [False, True])
+def test_agreement_only_shown_is_measured_on_one_prompt_and_the_float32_form_is_the_reference(home, monkeypatch,
+                                                                                               quantised):
+    """Unquantised forms of a model measured for itself are chosen by speed alone: their agreement is measured on the
+    first prompt, the float32 form's not at all (it is the reference); a quantised form, judged by its agreement, makes
+    every prompt count."""
+    read = []
+    log_probs = quantization_measure._log_probs
+    monkeypatch.setattr(quantization_measure, "_log_probs", lambda model, windows: read.append(len(windows)) or
+                        log_probs(model, windows))  # fmt: skip
+    options = MeasureOptions(prompts=3, prompt_tokens=16, context=16, repeats=2, threads=1, screen_margin=1e9,
+                             losing=1e9)  # fmt: skip
+    names = ["fp32", "torchao-int8-weight-only"] if quantised else ["fp32"]
+    measurements = cached_measure(tiny_causal_lm("llama"), names, options, progress=False)
+    fp32 = next(m for m in measurements if m.scheme == "fp32")
+    assert fp32.top1 == 1.0 and fp32.kl == 0.0
+    assert all(m.top1 is not None for m in measurements)
+    assert read == ([3] * 3 if quantised else [1, 1]), "the reference, then bf16 (and the quantised form)"
+
+
+def test_a_timed_cache_is_cast_from_the_float32_forms_not_recomputed():
+    """bf16 where it is emulated takes half a minute to prefill a 1.5B model's context: the bf16 form's cache of the
+    context is the float32 form's, cast, and the bf16 model runs only the timed passes."""
+    fp32 = tiny_causal_lm("llama")
+    bf16 = quantization_measure.converted(fp32, quantization_measure.FORMS["bf16"])
+    ids = torch.randint(2, VOCAB, (1, 22), generator=torch.Generator().manual_seed(0))
+    context, block = ids[:, :16], ids[:, 16:]
+    widths = []
+    bf16.register_forward_pre_hook(lambda _, args, kwargs: widths.append((args[0] if args else kwargs["input_ids"])
+                                                                         .shape[1]), with_kwargs=True)  # fmt: skip
+    seed = quantization_measure._Timed(fp32, context, block).cache
+    timed = quantization_measure._Timed(bf16, context, block, seed=seed)
+    assert timed.cache.get_seq_length() == 16 and timed.cache.layers[0].keys.dtype == torch.bfloat16
+    assert torch.equal(timed.cache.layers[0].keys, seed.layers[0].keys.to(torch.bfloat16))
+    timed.timed_round()
+    assert widths == [1, 6, 1, 6], "warm-up and one round; never the context"
+    assert timed.cache.get_seq_length() == 16
 
 
 def test_the_fastest_unquantised_form_is_chosen_and_bf16_wins_a_tie():

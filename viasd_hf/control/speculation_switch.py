@@ -26,11 +26,14 @@ has left: at B = 8, a 0.5B drafter reading eight 160-token prompts took 4.4 s at
 through its 4-bit kernel), more than speculating then saved over 48 tokens a row (Qwen2.5-Coder
 0.5B → 1.5B, AMD EPYC Zen4, two threads; ``bench/studies/batch_read/study.py``). So a call whose
 drafter has not read decodes plainly when the read, priced from what earlier reads cost against the
-target's prefill, would not be earned back (``SpeculationSwitch.reading_pays``). Every probe of
-speculation after plain blocks pays such a read too (the tokens decoded since the drafter last
-drafted), so a probe's expected loss counts the read in full: where speculation loses, probes whose
-read costs seconds come seldom (on an AVX2-only Zen3 with bf16 emulated, the demo's probes cost
-VIA-SD 4 % against greedy while each read was charged only at speculation's shortfall).
+target's prefill, would not be earned back (``SpeculationSwitch.reading_pays``). So does a single
+sequence whose switch is speculating: on an AVX2-only Zen3, where a bf16 pass over a draft costs about
+what decoding its tokens plainly does, HumanEval calls speculated at parity yet paid the drafter's read
+of a 150-token prompt, 0.96× greedy in all. Every probe of speculation after plain blocks pays such a
+read too (the tokens decoded since the drafter last drafted), so a probe's expected loss counts the read
+in full: where speculation loses, probes whose read costs seconds come seldom (on an AVX2-only Zen3 with
+bf16 emulated, the demo's probes cost VIA-SD 4 % against greedy while each read was charged only at
+speculation's shortfall).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class SpeculationSwitch:
     advised: bool = False  # whether the user was told why decoding fell back (``fallback_advice``)
     reading: FadedMean = field(default_factory=FadedMean)  # the drafter's seconds to read a token / the target's
     reads: FadedMean = field(default_factory=FadedMean)  # seconds a probe of speculation spent first reading (one-off)
+    prefill: FadedMean = field(default_factory=FadedMean)  # the target's seconds per prompt token, over calls
     advice_gap: float = 0.1  # how much slower speculation must measure before the user is told it does not pay
 
     def speculates(self) -> bool:
@@ -115,6 +119,11 @@ class SpeculationSwitch:
         """A read of the drafter (seconds per token it read) beside the target's prefill of the same call."""
         if seconds_per_token > 0 and prefill_seconds_per_token > 0:
             self.reading.observe(seconds_per_token, self.decay, weight=prefill_seconds_per_token)
+
+    def observe_prefill(self, seconds_per_token: float) -> None:
+        """The target's prefill of a call, per prompt token: what prices the drafter's read before the target has read
+        the prompt (a single sequence's drafter reads before the target's first pass)."""
+        self.prefill.observe(seconds_per_token, self.decay)
 
     def reading_cost(self, prefill_seconds_per_token: float, tokens: int) -> float | None:
         """The seconds the drafter is expected to take to read ``tokens``, priced against the target's prefill."""
@@ -181,6 +190,58 @@ class SpeculationSwitch:
         self.schedule.switched(self.block, at_least=self._blocks_to_earn_back())
         self.switches.append({"block": self.block, "regime": "speculating" if self.speculating else "plain",
                               "reason": self.describe()})  # fmt: skip
+
+
+@dataclass
+class DrafterRead:
+    """A call's drafter reading what it has not read before its first draft, priced for the switch.
+
+    The read is priced against the target's prefill (seconds per token the target reads): this call's once the target
+    has read the prompt, else the faded mean of earlier calls' (a single sequence's drafter reads before the target's
+    first pass). ``pays`` says whether a read of ``tokens`` is worth it with ``left`` tokens to decode
+    (``SpeculationSwitch.reading_pays``) and, the first time it is not, why (``verdict``). Without a switch (timings
+    may not steer) every read pays."""
+
+    switch: SpeculationSwitch | None
+    done: bool = False  # whether the drafter has read
+    prefill_per_token: float | None = None  # the target's seconds per token read, in this call
+    unpriced: tuple[float, int] | None = None  # a read (seconds, tokens) made before the target's prefill was timed
+    verdict: str | None = None  # why the drafter has not read: its read would not pay
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        """The target's prefill in this call: ``seconds`` for ``tokens`` (columns of a batched pass)."""
+        if self.switch is None or seconds <= 0 or tokens <= 0:
+            return
+        self.prefill_per_token = seconds / tokens
+        self.switch.observe_prefill(self.prefill_per_token)
+        self._price()
+
+    def observe_read(self, seconds: float, tokens: int) -> None:
+        """The drafter read ``tokens`` in ``seconds``."""
+        self.done, self.verdict = True, None
+        if self.switch is not None and tokens > 0:
+            self.unpriced = (seconds, tokens)
+            self._price()
+
+    def pays(self, tokens: int, left: int) -> bool:
+        """Whether reading ``tokens`` before drafting is expected to be earned back over the ``left`` tokens the call
+        may still decode; the first time it is not, ``verdict`` says why."""
+        if self.switch is None:
+            return True
+        prefill = self.prefill_per_token or self.switch.prefill.mean()
+        read = self.switch.reading_cost(prefill, tokens) if prefill else None
+        if self.switch.reading_pays(read, left):
+            return True
+        if self.verdict is None:
+            self.verdict = (f"plain decoding: the drafter would first read {tokens} tokens (about {read:.1f} s), more "
+                            f"than speculating can save over the {left} tokens left ({self.switch.describe()})")
+        return False
+
+    def _price(self) -> None:
+        if self.unpriced is not None and self.prefill_per_token:
+            seconds, tokens = self.unpriced
+            self.switch.observe_reading(seconds / tokens, self.prefill_per_token)
+            self.unpriced = None
 
 
 # a 6-token pass costing this many one-token passes or more is what emulated bf16 does (about 4.6x measured on an

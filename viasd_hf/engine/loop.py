@@ -30,7 +30,7 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import DraftPlanner, MeasuredCosts, StaticCosts, static_costs
 from viasd_hf.control.mask_chooser import MaskChoice
 from viasd_hf.control.memory import draft_planner, mask_chooser, planner_key, tier_choice, tier_memory
-from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
+from viasd_hf.control.speculation_switch import DrafterRead, SpeculationSwitch, fallback_advice
 from viasd_hf.control.tier_controller import BlockCost, measures_wall_clock
 from viasd_hf.drafters import Drafter, SelfDrafter, model_drafter_of
 from viasd_hf.engine.accept import Draft
@@ -110,7 +110,7 @@ class ViaSDDecoder:
                                          lambda: new_draft_planner(static_costs(model, drafter), config, do_sample))
         self.switch = self.planner.switch if self.planner is not None else None
         self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
-        self.drafter_prefilled = False
+        self.drafter_read = DrafterRead(self.switch)  # the drafter reads the prompt before its first draft
         self.finished = False
 
     def run(self, state: DecodingState) -> DecodingState:
@@ -136,7 +136,7 @@ class ViaSDDecoder:
             self.stats.mask_choice = self.chooser.report()
         if self.switch is not None:
             self.stats.speculation_switches = self.switch.switches[self._first_fallback_switch :]
-            self.stats.speculation_verdict = self.switch.verdict()
+            self.stats.speculation_verdict = self.drafter_read.verdict or self.switch.verdict()
         if self.planner_key is not None:
             tier_memory(self.model).remember_planner(self.planner_key, self.planner)
         self.stats.seconds["total"] = time.perf_counter() - started
@@ -146,7 +146,7 @@ class ViaSDDecoder:
         """The drafter processes the prompt. The full model processes it in the first block's pass where that block
         is plain two-tier (``open``); otherwise it prefills the prompt but its last token, which opens the first block.
         Returns whether the first block carries the prompt."""
-        if self.speculates():
+        if self.speculates(state):
             self.prefill_drafter(state)
         if state.length <= 1:  # nothing before the token that opens the first block
             return False
@@ -155,7 +155,9 @@ class ViaSDDecoder:
         started = time.perf_counter()
         state.target_cache.run(self.model, state.ids[:, :-1], 0, keep=1)
         state.target_cache.keep(state.length - 1)
-        self.stats.record_prefill(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.stats.record_prefill(seconds)
+        self.drafter_read.observe_prefill(seconds, state.length - 1)
         return False
 
     def prefill_drafter(self, state: DecodingState) -> float:
@@ -165,12 +167,22 @@ class ViaSDDecoder:
         passes = self.drafter.prefill(state.ids)
         seconds = time.perf_counter() - started
         self.stats.record_draft(passes, seconds)
-        self.drafter_prefilled = True
+        self.drafter_read.observe_read(seconds, state.length - 1)
         return seconds
 
-    def speculates(self) -> bool:
-        """Whether the next block drafts (``speculation_switch.SpeculationSwitch``; always, where timings may not steer)."""
-        return self.switch is None or self.switch.speculates()
+    def speculates(self, state: DecodingState) -> bool:
+        """Whether the next block drafts (``speculation_switch.SpeculationSwitch``; always, where timings may not steer).
+
+        While speculating, a drafter that has not read the context drafts only where its read is expected to pay
+        (``DrafterRead.pays``), as a batch's does; a probe of speculation reads whatever it costs, its read counted in
+        what the probe is expected to lose (``SpeculationSwitch.probe_loss``)."""
+        if self.switch is None:
+            return True
+        if not self.switch.speculates():
+            return False
+        if self.drafter_read.done or not self.switch.speculating:
+            return True
+        return self.drafter_read.pays(state.length - 1, self.max_length - state.length)
 
     def first_block_is_two_tier(self) -> bool:
         """Whether the first block may carry the prompt: no self-drafter drafts on the full model's prefill, and the
@@ -186,9 +198,10 @@ class ViaSDDecoder:
         It runs only where the block is plain two-tier anyway (``first_block_is_two_tier``), and without a leaf,
         which would need a mask over the whole prompt. What it cost, mostly the prompt, teaches neither the draft
         planner nor the tier controller; what it accepted does."""
-        speculating = self.speculates()
+        speculating = self.speculates(state)
         draft = self.draft(state, slim_may_run=False)[0] if speculating else Draft([], [])
         block = two_tier(self.tiers, state, draft)
+        self.drafter_read.observe_prefill(block.seconds["full"], block.rows.fed)
         self.commit(state, block)
         self.stats.record_block(block, drafted=len(draft.tokens), catch_up=False)
         self.stats.plain_blocks += int(not speculating)
@@ -200,11 +213,11 @@ class ViaSDDecoder:
     def step(self, state: DecodingState) -> None:
         """One block: draft, let a policy verify, commit, and tell the controllers what it cost; or, while speculation
         does not pay, one plain token."""
-        if not self.speculates():
+        if not self.speculates(state):
             self.plain_step(state)
             return
         reading = 0.0
-        if not self.drafter_prefilled:  # decoding began plainly: the drafter reads what it has not read, once
+        if not self.drafter_read.done:  # decoding began plainly: the drafter reads what it has not read, once
             reading = self.prefill_drafter(state)
         started = time.perf_counter()
         wants_slim = self.controller.use_slim() if self.controller is not None else True

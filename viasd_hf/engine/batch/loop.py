@@ -32,6 +32,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import MeasuredCosts, StaticCosts
 from viasd_hf.control.memory import draft_planner, planner_key, tier_choice, tier_memory
+from viasd_hf.control.speculation_switch import DrafterRead
 from viasd_hf.control.tier_controller import BlockCost
 from viasd_hf.engine.attention import fastest_attention
 from viasd_hf.engine.batch.acceptance import full_verdict, ragged, row_view
@@ -88,9 +89,7 @@ class BatchedDecoder:
         self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
         self.rows: Rows
         self.target: RaggedCache
-        self.drafter_read = False  # whether the drafter has read the prompts (it does before its first draft)
-        self.prefill_per_token: float | None = None  # the target's prefill seconds per column it computed
-        self.unread_verdict: str | None = None  # why the drafter has not read the prompts: its read would not pay
+        self.drafter_read = DrafterRead(self.switch)  # the drafter reads the prompts before its first draft
 
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
         """Decode every row of ``input_ids`` (left-padded as ``prompt_mask`` says) until each one stops."""
@@ -114,7 +113,7 @@ class BatchedDecoder:
         started = time.perf_counter()
         logits = self.target.run(self.model, input_ids, prompt_mask.bool(), keep=1)
         seconds = time.perf_counter() - started
-        self.prefill_per_token = seconds / prompt_mask.numel()  # a batched pass computes every column
+        self.drafter_read.observe_prefill(seconds, prompt_mask.numel())  # a batched pass computes every column
         empty = BatchDraft.empty(len(self.rows))
         fed = prompt_mask.sum(-1).tolist()
         self.commit(self.judge(logits, seconds, fed, empty.tokens, empty, None, None), empty)
@@ -125,7 +124,7 @@ class BatchedDecoder:
     def unread_tokens(self) -> int:
         """The columns the drafter's read would compute: every row's tokens it has not read, the newest but one, padded
         to the longest."""
-        if self.drafter_read:
+        if self.drafter_read.done:
             return 0
         return len(self.rows) * max(row.length - row.padding - 1 for row in self.rows.active)
 
@@ -136,10 +135,7 @@ class BatchedDecoder:
         passes = self.drafter.read(self.rows)
         seconds = time.perf_counter() - started
         self.record_draft(passes, seconds)
-        self.drafter_read = True
-        self.unread_verdict = None
-        if self.switch is not None and tokens and self.prefill_per_token:
-            self.switch.observe_reading(seconds / tokens, self.prefill_per_token)
+        self.drafter_read.observe_read(seconds, tokens)
         return seconds
 
     def speculates(self) -> bool:
@@ -147,22 +143,13 @@ class BatchedDecoder:
         has not read the prompts drafts only where its read is expected to pay (``reading_pays``)."""
         if self.switch is None:
             return True
-        return self.switch.speculates() and (self.drafter_read or self.reading_pays())
+        return self.switch.speculates() and (self.drafter_read.done or self.reading_pays())
 
     def reading_pays(self) -> bool:
-        """Whether speculating over the tokens the rows may still decode saves more than the drafter's read costs,
-        priced from earlier reads against this call's prefill (``SpeculationSwitch.reading_pays``); where it does not,
-        the stats say why (the first time)."""
-        tokens = self.unread_tokens()
-        read = self.switch.reading_cost(self.prefill_per_token, tokens) if self.prefill_per_token else None
+        """Whether speculating over the tokens the rows may still decode saves more than the drafter's read costs
+        (``DrafterRead.pays``, priced against this call's prefill)."""
         left = sum(self.max_length - row.length for row in self.rows.active)
-        if self.switch.reading_pays(read, left):
-            return True
-        if self.unread_verdict is None:
-            self.unread_verdict = (f"plain decoding: the drafter would first read {tokens} tokens "
-                                   f"(about {read:.1f} s), more than speculating can save over the {left} tokens left "
-                                   f"({self.switch.describe()})")
-        return False
+        return self.drafter_read.pays(self.unread_tokens(), left)
 
     def wants_slim(self) -> bool:
         """Whether the slim tier may run in the next block (the controller's choice, where there is one)."""
@@ -175,7 +162,7 @@ class BatchedDecoder:
         if not self.speculates():
             self.plain_step()
             return
-        reading = 0.0 if self.drafter_read else self.read_drafts()  # decoding began plainly: read, once
+        reading = 0.0 if self.drafter_read.done else self.read_drafts()  # decoding began plainly: read, once
         started = time.perf_counter()
         wants_slim = self.wants_slim()
         draft, drafting = self.draft(slim_may_run=wants_slim)
@@ -337,7 +324,7 @@ class BatchedDecoder:
             stats.slim_tier_verdict = self.controller.verdict()
         if self.switch is not None:
             stats.speculation_switches = self.switch.switches[self._first_fallback_switch :]
-            stats.speculation_verdict = self.unread_verdict or self.switch.verdict()
+            stats.speculation_verdict = self.drafter_read.verdict or self.switch.verdict()
         if self.planner_key is not None:
             tier_memory(self.model).remember_planner(self.planner_key, self.planner)
         stats.seconds["total"] = time.perf_counter() - started

@@ -11,7 +11,12 @@
    over ``losing`` times the fastest's stops;
 3. *agreement*: the forms that ran every round are compared with the float32 model on a few Spec-Bench
    prompts or, for a drafter, with the float32 *target* it drafts for (``MeasureOptions.judge``): a
-   drafter's output only matters through what its target keeps.
+   drafter's output only matters through what its target keeps. Where agreement only informs (the
+   unquantised forms of a model measured for itself, chosen by speed alone) it is measured on the first
+   prompt, and the float32 form is the reference itself.
+
+bf16 where it is emulated is slow to run over many tokens, so the unquantised forms' KV caches of the
+context are cast from the float32 form's rather than recomputed.
 
 A model can be measured from its checkpoint or in memory (its quantised forms then load from a copy saved once).
 """
@@ -19,7 +24,6 @@ A model can be measured from its checkpoint or in memory (its quantised forms th
 from __future__ import annotations
 
 import copy
-import gc
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +39,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache, PretrainedConf
 from viasd_hf.calibration.windows import encode_prompt, spec_bench_prompts, split_prompts
 from viasd_hf.engine.kv_cache import crop_to
 from viasd_hf.models.quantization.invariance import batch_invariant
-from viasd_hf.models.quantization.probe import probe_checkpoint, probe_mlp
+from viasd_hf.models.quantization.probe import failure, ruled_out_by_screen, screen
 from viasd_hf.models.quantization.schemes import (
     BASELINE,
     FORMS,
@@ -48,6 +52,7 @@ from viasd_hf.models.quantization.schemes import (
 from viasd_hf.models.zoo import ZOO, resolve_zoo_model
 
 Loader = Callable[[Scheme | None], nn.Module]  # the model in a form; None: the float32 reference
+FLOAT32 = "fp32"
 
 
 @dataclass(frozen=True)
@@ -149,15 +154,23 @@ def _parameter_count(model: nn.Module) -> int:
 
 
 class _Timed:
-    """A loaded model with a KV cache of the context: times decode and verify passes, cropping back after each."""
+    """A loaded model with a KV cache of the context: times decode and verify passes, cropping back after each.
 
-    def __init__(self, model: nn.Module, context: torch.Tensor, block: torch.Tensor) -> None:
+    ``seed``: the same model's cache of the context in another unquantised dtype, cast rather than recomputed (the
+    timings do not depend on the cached values, and a bf16 prefill where bf16 is emulated takes half a minute)."""
+
+    def __init__(self, model: nn.Module, context: torch.Tensor, block: torch.Tensor,
+                 seed: DynamicCache | None = None) -> None:
         self.model, self.block, self.length = model, block, context.shape[1]
         self.cache = DynamicCache(config=model.config)
         self.decode: list[float] = []
         self.verify: list[float] = []
-        with torch.no_grad():
-            model(context, past_key_values=self.cache, use_cache=True)
+        if seed is not None:
+            for layer, (keys, values) in enumerate(_layers(seed)):
+                self.cache.update(keys.to(model.dtype), values.to(model.dtype), layer)
+        else:
+            with torch.no_grad():
+                model(context, past_key_values=self.cache, use_cache=True)
         self._time(block[:, :1])  # warm-up
         self._time(block)
 
@@ -181,55 +194,17 @@ class _Timed:
         return sum(self.best_ms()) / 2
 
 
+def _layers(cache: DynamicCache) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's cached keys and values."""
+    return ((layer.keys, layer.values) for layer in cache.layers)
+
+
 def _context(windows: Sequence[torch.Tensor], options: MeasureOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``context`` tokens of the windows (repeated if short) and the next ``verify_tokens``."""
     ids = torch.cat(list(windows), dim=1)
     needed = options.context + options.verify_tokens
     ids = ids.repeat(1, -(-needed // ids.shape[1]))[:, :needed]
     return ids[:, : options.context], ids[:, options.context :]
-
-
-def _failure(error: Exception) -> str:
-    return f"{type(error).__name__}: {error}".splitlines()[0][:300]
-
-
-@torch.no_grad()
-def _layer_ms(mlp: nn.Module, width: int, dtype: torch.dtype, repeats: int = 5) -> float:
-    row = torch.randn(1, 1, width, generator=torch.Generator().manual_seed(0)).to(dtype)
-    mlp(row)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mlp(row)
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
-
-
-def screen(config: PretrainedConfig, names: Sequence[str]) -> dict[str, float | str]:
-    """Per form, its one-token pass of one MLP layer of the model's width in ms, or why it failed to run."""
-    text = config.get_text_config()
-    results: dict[str, float | str] = {}
-    with probe_checkpoint(text.hidden_size, text.intermediate_size) as folder:
-        for name in names:
-            try:
-                form = FORMS[name]
-                results[name] = _layer_ms(probe_mlp(load_in(folder, form)), text.hidden_size, form.dtype)
-            except Exception as error:  # noqa: BLE001 — a form that cannot run on this machine is a result
-                results[name] = _failure(error)
-            gc.collect()
-    return results
-
-
-def ruled_out_by_screen(layer: dict[str, float | str], margin: float) -> dict[str, str]:
-    """Why each form is not loaded: it failed the screen, or its layer pass is over ``margin`` times the fastest."""
-    fastest = min((ms for ms in layer.values() if isinstance(ms, float)), default=None)
-    reasons = {}
-    for name, ms in layer.items():
-        if isinstance(ms, str):
-            reasons[name] = ms
-        elif name != BASELINE.name and ms > margin * fastest:
-            reasons[name] = f"ruled out: its layer pass takes {ms / fastest:.1f}× the fastest form's"
-    return reasons
 
 
 def time_in_rounds(timed: dict[str, _Timed], options: MeasureOptions, bar: tqdm) -> dict[str, str]:
@@ -267,8 +242,15 @@ def _reference(
     reference_model = (judge or load)(None)
     reference = _log_probs(reference_model, windows)
     judge_parameters = _parameter_count(reference_model) if judge else None
-    kept = {"fp32": reference_model} if keep_fp32 and not judge else {}
+    kept = {FLOAT32: reference_model} if keep_fp32 and not judge else {}
     return reference, judge_parameters, kept
+
+
+def judged_windows(names: Sequence[str], windows: Sequence[torch.Tensor], judged: bool) -> int:
+    """How many windows agreement is measured on: all of them where agreement decides (a quantised form, a drafter
+    judged by its target), one where it is only shown (unquantised forms of a model measured for itself are chosen by
+    speed alone; a bf16 pass over four prompts where bf16 is emulated takes a minute)."""
+    return len(windows) if judged or any(name in SCHEMES for name in names) else min(1, len(windows))
 
 
 def _loaded_and_timed(
@@ -276,14 +258,15 @@ def _loaded_and_timed(
 ) -> tuple[dict[str, _Timed], dict[str, str]]:
     """Each form loaded (into ``models``) with its KV cache of the context, and why those that failed did."""
     timed, failed = {}, {}
-    for name in names:
+    for name in sorted(names, key=lambda name: name != FLOAT32):  # float32 first: its cache seeds the other dtypes
         try:
             if name not in models:
                 models[name] = load(FORMS[name])
-            timed[name] = _Timed(models[name], *ids)
+            seed = timed[FLOAT32].cache if FLOAT32 in timed and name in UNQUANTIZED else None
+            timed[name] = _Timed(models[name], *ids, seed=seed)
         except Exception as error:  # noqa: BLE001 — a form that cannot run on this machine is a result
             models.pop(name, None)
-            failed[name] = _failure(error)
+            failed[name] = failure(error)
         bar.update(1)
     if BASELINE.name not in timed:
         raise QuantizationError(f"bf16, the baseline of every ratio, cannot run here: {failed[BASELINE.name]}")
@@ -308,7 +291,8 @@ def measure_forms(
         layer = screen(config, names)
         ruled_out = ruled_out_by_screen(layer, options.screen_margin)
         bar.update(1)
-        reference, judge_parameters, models = _reference(load, judge, windows, keep_fp32="fp32" in names)
+        windows = windows[: judged_windows(names, windows, judge is not None)]
+        reference, judge_parameters, models = _reference(load, judge, windows, keep_fp32=FLOAT32 in names)
         bar.update(1)
         loading = [name for name in names if name not in ruled_out]
         timed, failed = _loaded_and_timed(load, loading, models, _context(windows, options), bar)
@@ -324,7 +308,9 @@ def measure_forms(
                 fields |= {"decode_ms": decode, "verify_ms": verify,
                            "decode_ratio": decode / base_decode, "verify_ratio": verify / base_verify}  # fmt: skip
             error = ruled_out.get(name) or failed.get(name) or stopped.get(name)
-            if error is None:
+            if error is None and name == FLOAT32 and not judge:
+                fields |= {"top1": 1.0, "kl": 0.0}  # the reference itself
+            elif error is None:
                 fields |= _agreement(reference, models[name], windows)
             results.append(Measurement(scheme=name, error=error, **fields))
         return results
