@@ -133,6 +133,25 @@ def test_method_names_read_as_base_hybrid_and_ablated_levers():
         MethodTable(None, None, None, None).build(["greedy", "hf_assisted_nocost"])
 
 
+def test_a_float32_method_decodes_with_the_targets_float32_copy(table):
+    """``viasd_lossless_fp32``: VIA-SD on the target's float32 copy (a bf16 target beside it), its passes counted on the
+    copy; refused without one."""
+    with pytest.raises(ValueError, match="need the target in float32"):
+        table.build(["greedy", "viasd_lossless_fp32"])
+    target = tiny_causal_lm("llama", seed=0, dtype=torch.bfloat16)
+    float32 = tiny_causal_lm("llama", seed=0)
+    passes = {"bf16": 0, "fp32": 0}
+    for name, model in (("bf16", target), ("fp32", float32)):
+        model.register_forward_pre_hook(lambda *_, name=name: passes.__setitem__(name, passes[name] + 1))
+    methods = MethodTable(target, table.drafter, table.mask, None, float32_target=float32).build(
+        ["greedy", "viasd_lossless_fp32"])
+    ids = torch.tensor([[3, 17, 5, 3, 17, 5, 3, 17]])
+    common = {"max_new_tokens": 12, "do_sample": False, "return_dict_in_generate": True, "pad_token_id": 0}
+    outcome = methods["viasd_lossless_fp32"](ids, common)
+    assert passes["bf16"] == 0 and passes["fp32"] > 0
+    assert outcome.tokens == float32.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 8:].tolist()
+
+
 def test_ablated_methods_switch_off_their_lever_and_stay_lossless(table):
     methods = table.build(["greedy", "viasd_lossless_nocost", "viasd_lossless_hybrid_fullvocab_nocost",
                            "viasd_fullvocab_nocost", "viasd_nocost"])

@@ -229,6 +229,23 @@ def test_demo_small_prints_the_table_side_by_side_and_writes_it_as_json(capsys, 
     assert data["precision"]["target"].startswith("float32")
 
 
+@pytest.mark.integration
+def test_demo_runs_viasd_with_a_float32_target_too_where_bf16_is_emulated(capsys, tmp_path, monkeypatch):
+    """Where the target runs in bf16 that the CPU emulates, VIA-SD's fastest exact configuration may be a float32
+    target: the demo times that row as well, and the verdict weighs the better of VIA-SD's rows."""
+    monkeypatch.setattr("viasd_hf.bench.demo.emulated_bf16", lambda model: True)
+    report = tmp_path / "demo.json"
+    assert main(["demo", "--small", "--max-new-tokens", "8", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "\nVIA-SD (float32 target) " in out and "[precision] VIA-SD (float32 target): float32: this CPU" in out
+    data = json.loads(report.read_text())
+    row = data["methods"]["VIA-SD (float32 target)"]
+    assert row["tokens"] == 8 * len(data["prompts"]) and set(row["ratio"]) == {"greedy", "HF prompt lookup"}
+    assert "VIA-SD" in data["methods"] and "VIA-SD" not in data["methods"]["VIA-SD"]["ratio"], "ours are no baseline"
+    best = max(("VIA-SD", "VIA-SD (float32 target)"), key=lambda name: data["methods"][name]["tokens_per_second"])
+    assert f"[verdict] {best} is " in out
+
+
 @pytest.mark.parametrize("arguments, problem", [
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--dtype", "float64"], "--dtype"),

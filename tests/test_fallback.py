@@ -17,6 +17,7 @@ import torch
 from conftest import assert_stats_consistent, tiny_causal_lm
 from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.control.backoff import ProbeSchedule
+from viasd_hf.control.draft_planner import MeasuredCosts, StaticCosts
 from viasd_hf.control.faded import FadedMean
 from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
 
@@ -262,6 +263,26 @@ def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_out
     assert_stats_consistent(stats, 60, "lossless")
 
 
+def test_the_verify_cost_fit_learns_from_plain_blocks_too(pair, prompt_ids, single_thread, monkeypatch):
+    """The advice quotes the fitted cost of a 6-token pass against a one-token pass. Where verifying costs grow with
+    the tokens fed (20 ms a token, as where bf16 is emulated), a fit over many plain blocks and a few probes' blocks
+    says so (about 6x), not the weight-byte guess (about 1x); and plain blocks (but the first, which reads the prompt)
+    do feed it."""
+    costs = MeasuredCosts(StaticCosts(drafter=0.5, per_token=0.03))
+    for block in range(20):  # every third block a probe's, one draft: widths spread little, yet enough to fit
+        costs.observe_verifying(*((0.042, 2) if block % 3 == 0 else (0.022, 1)))
+    assert 5.0 < costs.verify_ratio() < 6.0  # (2 + 6 · 20) / (2 + 20) ms
+    target, drafter = pair
+    SlowForward(drafter, 0.05)
+    widths = []
+    observe = MeasuredCosts.observe_verifying
+    monkeypatch.setattr(MeasuredCosts, "observe_verifying",
+                        lambda self, seconds, tokens: widths.append(tokens) or observe(self, seconds, tokens))
+    out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=ViaSDConfig(use_slim=False),
+                          max_new_tokens=30, do_sample=False, return_dict_in_generate=True)  # fmt: skip
+    assert out.viasd_stats.plain_blocks > 1 and widths.count(1) >= out.viasd_stats.plain_blocks - 1  # all but the first
+
+
 def test_a_probe_of_plain_decoding_while_speculation_pays_gives_no_fallback_advice(pair, prompt_ids, single_thread,
                                                                                    monkeypatch):
     target, drafter = pair
@@ -333,7 +354,7 @@ def test_the_advice_names_emulated_bf16_only_for_a_bf16_model():
 
 def test_the_advice_says_what_to_do_where_bf16_is_emulated(monkeypatch):
     model = tiny_causal_lm("llama", seed=0, dtype=torch.bfloat16)
-    monkeypatch.setattr("viasd_hf.control.speculation_switch.native_bf16", lambda: False)
+    monkeypatch.setattr("viasd_hf.models.machine.native_bf16", lambda: False)
     for ratio in (4.6, None):
         advice = fallback_advice(model, ratio)
         assert "a float32 target verifies several tokens" in advice and "viasd profile" in advice
@@ -359,7 +380,7 @@ def test_the_demo_says_why_where_viasd_decoded_mostly_plainly(monkeypatch):
     from viasd_hf.bench.demo import Row, why_plain
     from viasd_hf.engine.stats import ViaSDStats
 
-    monkeypatch.setattr("viasd_hf.control.speculation_switch.native_bf16", lambda: False)
+    monkeypatch.setattr("viasd_hf.models.machine.native_bf16", lambda: False)
     target = tiny_causal_lm("llama", seed=0, dtype=torch.bfloat16)
     measurements = [SimpleNamespace(scheme="bf16", decode_ms=240.0, verify_ms=991.0, decode_ratio=1.0),
                     SimpleNamespace(scheme="fp32", decode_ms=389.0, verify_ms=1118.0, decode_ratio=1.62)]

@@ -36,7 +36,8 @@ STEERED_REFERENCE = "hf_assisted_fastattn"
 MASK_SET_METHODS = ("viasd_mask_set",)  # need a mask set, so they run only when asked for
 KNOWN_METHODS = METHODS + MASK_SET_METHODS
 HYBRID_SUFFIX = "_hybrid"  # the same method, drafting by prompt lookup where the context repeats itself
-# One lever of our decoders switched off, for an ablation side by side: append to any of our methods
+FLOAT32_TARGET_SUFFIX = "_fp32"
+# One lever of our decoders switched off (or the target's precision changed), for an ablation side by side: append to any of our methods
 # (after ``_hybrid``), e.g. ``viasd_lossless_hybrid_fullvocab``.
 ABLATIONS = {
     "_fullvocab": "the whole vocabulary in the drafter and slim tier (vocabulary=None)",
@@ -45,6 +46,8 @@ ABLATIONS = {
     "_fullprompt": "the drafter reads the whole prompt (drafter_context=None)",
     "_norunnerup": "no runner-up leaf beside greedy drafts (runner_up=False)",
     "_nofallback": "speculate on every block, never falling back to plain decoding (plain_fallback=False)",
+    FLOAT32_TARGET_SUFFIX: "the target in float32, a copy beside the one loaded: where the CPU emulates bf16 it "
+                           "verifies drafts natively",
 }
 OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set")
 
@@ -196,6 +199,7 @@ class MethodTable:
     settings: MethodSettings = field(default_factory=MethodSettings)
     unquantized: tuple[nn.Module, nn.Module] | None = None  # (target, drafter) in bf16, for UNQUANTIZED_REFERENCE
     mask_set: MaskSet | None = None  # viasd_mask_set: ``viasd`` choosing among these masks online
+    float32_target: nn.Module | None = None  # the target in float32, for methods named with FLOAT32_TARGET_SUFFIX
 
     def build(self, names: list[str]) -> dict[str, Method]:
         unknown = [name for name in names if not is_method(name)]
@@ -212,6 +216,8 @@ class MethodTable:
                 "self_spec needs a self-drafting mask for this target: pass --self-draft-mask, or find one with "
                 "`viasd search --drafter self --skip-ratio 0.45`, or leave self_spec out of --methods"
             )
+        if self.float32_target is None and any(FLOAT32_TARGET_SUFFIX in MethodName.parse(name).ablations for name in names):
+            raise ValueError(f"methods named with {FLOAT32_TARGET_SUFFIX} need the target in float32 (MethodTable.float32_target)")
         if "viasd_mask_set" in {MethodName.parse(name).base for name in names} and (self.mask_set is None or len(self.mask_set.masks) < 2):
             raise ValueError("viasd_mask_set needs a mask set of two or more masks: pass --mask-set, or leave it out")
         enable_viasd(self.target)
@@ -235,7 +241,8 @@ class MethodTable:
         if "_nofallback" in method.ablations:
             config = replace(config, plain_fallback=False)
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
-        return _viasd_method(self.target, config, drafter, **extra)
+        target = self.float32_target if FLOAT32_TARGET_SUFFIX in method.ablations else self.target
+        return _viasd_method(enable_viasd(target), config, drafter, **extra)
 
     def _hf_baseline(self, name: str) -> Method:
         target, drafter = self.target, self.drafter

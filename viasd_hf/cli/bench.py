@@ -14,6 +14,7 @@ from torch import nn
 
 from viasd_hf.bench.methods import (
     ABLATIONS,
+    FLOAT32_TARGET_SUFFIX,
     HYBRID_SUFFIX,
     KNOWN_METHODS,
     METHODS,
@@ -71,6 +72,11 @@ MASK_METHODS = frozenset({"viasd", "viasd_lossless"})
 
 def _bases(names: list[str]) -> set[str]:
     return {MethodName.parse(name).base for name in names}
+
+
+def _in_float32(name: str) -> bool:
+    """Whether the method runs on the target's float32 copy (``FLOAT32_TARGET_SUFFIX``)."""
+    return FLOAT32_TARGET_SUFFIX in MethodName.parse(name).ablations
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -210,6 +216,9 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
         check_output_dir(args.plots, "--plots")
     if args.traces:
         check_output_dir(args.traces, "--traces")
+        if any(_in_float32(name) for name in names):
+            raise UsageError(f"--traces records the passes of the models loaded, not of the target's float32 copy: "
+                             f"leave the {FLOAT32_TARGET_SUFFIX} methods out of --methods")
     examples = _examples(args)
     mask = mask_from("--mask", args.mask, args.target) if args.mask else known_mask(args.target, (args.drafter,))
     if mask is None and MASK_METHODS & _bases(names):
@@ -249,6 +258,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     unquantized = None
     if UNQUANTIZED_REFERENCE in names:
         unquantized = (load_model(args.target, "bfloat16", "--target")[0], load_model(args.drafter, "bfloat16", "--drafter")[0])
+    float32_target = None
+    if any(_in_float32(name) for name in names):
+        float32_target = load_model(args.target, "float32", "--target")[0]
     for flag, known in (("--mask", mask), ("--self-draft-mask", self_mask), ("--mask-set", mask_set)):
         try:
             if known is not None:
@@ -257,12 +269,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag}: {first_line(error)}") from None
     settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens,
                               args.drafter_context)
-    methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set).build(names)
+    methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set, float32_target).build(names)
     tracer = CallTracer(args.traces, lambda: decoding_models(target, drafter)) if args.traces else None
     runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature, tracer)
     if drafting_copy(drafter) is not None:  # reported beside --quantize's choices: what our lossless decoders drafted with
         quantized["drafter, as VIA-SD drafts (drafter_precision='auto')"] = resolve_drafting_form(drafter)
-    weights = {name: _weight_bytes(target) + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0) for name in names}
+    weights = {name: _weight_bytes(float32_target if _in_float32(name) else target)
+               + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0) for name in names}
     if unquantized:
         weights[UNQUANTIZED_REFERENCE] = sum(map(_weight_bytes, unquantized))
     full_agreement = None

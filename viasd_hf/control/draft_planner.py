@@ -144,7 +144,9 @@ def weight_bytes(module: nn.Module) -> int:
 @dataclass
 class MeasuredCosts:
     """Running estimates from the call's own timings (seconds), starting from ``StaticCosts`` scaled by the first
-    measured verifying pass. The verifying pass is fit as ``base + per_token · tokens`` on faded sums."""
+    measured verifying pass. The verifying pass is fit as ``base + per_token · tokens`` on faded sums, over every
+    block's full pass: plain blocks give its one-token passes (a fit on a few probe blocks of like width would keep
+    the weight-byte guess of ``per_token``, which is wrong where verifying costs grow with the tokens fed)."""
 
     static: StaticCosts
     decay: float = 0.95
@@ -165,7 +167,7 @@ class MeasuredCosts:
             return None
         mean_x, mean_y = sx / weight, sy / weight
         spread = sxx / weight - mean_x**2
-        if weight >= 3.0 and spread > 0.5:
+        if weight >= 3.0 and weight * spread > 1.5:  # widths spread enough to fit (most may be plain blocks' one)
             slope = max((sxy / weight - mean_x * mean_y) / spread, 0.0)
         else:
             slope = self.static.per_token * mean_y / (1 + self.static.per_token * mean_x)

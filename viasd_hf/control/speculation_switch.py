@@ -45,7 +45,7 @@ import torch
 
 from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.faded import FadedMean
-from viasd_hf.models.machine import native_bf16
+from viasd_hf.models.machine import emulated_bf16
 
 
 @dataclass
@@ -257,7 +257,7 @@ def fallback_advice(model: torch.nn.Module, verify_ratio: float | None) -> str:
     measured = f"; a pass over 6 new tokens costs {verify_ratio:.1f}x a one-token pass here" if verify_ratio else ""
     advice = "a cheaper or better-matched drafter may let speculation pay"
     costly_verify = verify_ratio is None or verify_ratio >= EMULATED_VERIFY_RATIO
-    if model.dtype == torch.bfloat16 and model.device.type == "cpu" and not native_bf16() and costly_verify:
+    if emulated_bf16(model) and costly_verify:
         advice = ("this CPU has no native bf16, so bf16 matrix products are emulated and verifying k tokens costs about "
                   "k one-token passes: a float32 target verifies several tokens for little more than one, but its "
                   "one-token passes are slower (`viasd profile --target NAME --precision` shows both here); plain bf16 "

@@ -268,6 +268,7 @@ class ViaSDDecoder:
         self.stats.record_block(block, drafted=0, catch_up=False)
         self.stats.plain_blocks += 1
         self.switch.observe(False, len(block.tokens), time.perf_counter() - started)
+        self.planner.costs.observe_verifying(block.seconds["full"], block.rows.fed)  # the fit's one-token passes
         if self.check_invariants:
             state.target_cache.check()
 

@@ -63,6 +63,12 @@ def native_bf16() -> bool:
     return allowed and bool({"avx512_bf16", "amx_bf16"} & set(cpu_identity()["flags"]))
 
 
+def emulated_bf16(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs bf16 matrix products that this CPU emulates: a pass over k new tokens then costs about k
+    one-token passes, so verifying a draft saves nothing, while a float32 model verifies several tokens natively."""
+    return model.dtype == torch.bfloat16 and model.device.type == "cpu" and not native_bf16()
+
+
 def native_fp16() -> bool:
     """Whether the CPU computes in float16 itself; elsewhere fp16 matmuls convert to float32 and are slow."""
     return any(flag in cpu_identity()["flags"] for flag in _NATIVE_FP16)

@@ -180,11 +180,13 @@ class BatchedDecoder:
         """A block without a draft: one full pass gives one token per row, as ``generate`` decodes a batch."""
         started = time.perf_counter()
         empty = BatchDraft.empty(len(self.rows))
-        committed = self.commit(self.verify(empty, None, None), empty)
+        blocks = self.verify(empty, None, None)
+        committed = self.commit(blocks, empty)
         self.stats.plain_blocks += 1
         for row in self.rows.active:
             row.stats.plain_blocks += 1
         self.switch.observe(False, committed, time.perf_counter() - started)
+        self.planner.costs.observe_verifying(blocks[0].seconds["full"], 1)  # the fit's one-token passes
 
     def limits(self, slim_may_run: bool) -> list[int]:
         """Each row's longest draft: the block's bound (the planner's, shorter where the slim tier may run, as for one
