@@ -77,15 +77,16 @@ class Stub:
 
 
 def test_a_form_clearly_slower_than_the_fastest_stops_after_the_minimum_rounds():
-    stubs = {"bf16": Stub(10.0), "fp32": Stub(12.0), "bnb-8bit": Stub(40.0)}
+    stubs = {"bf16": Stub(10.0), "fp32": Stub(14.0), "bnb-8bit": Stub(40.0)}  # an unquantised form runs every round
     with tqdm(disable=True) as bar:
         stopped = time_in_rounds(stubs, MeasureOptions(repeats=5, min_rounds=2, losing=1.3), bar)
     assert list(stopped) == ["bnb-8bit"] and stopped["bnb-8bit"].startswith("stopped after 2 rounds: 4.00×")
     assert [stub.rounds for stub in stubs.values()] == [5, 5, 2]
 
 
-def test_the_screen_rules_out_forms_far_slower_than_the_fastest_but_never_bf16():
-    layer = {"bf16": 3.0, "fp32": 1.0, "bnb-4bit": 2.5, "bnb-8bit": 9.0, "torchao-int8": "ImportError: no torchao"}
+def test_the_screen_rules_out_forms_far_slower_than_the_fastest_but_never_an_unquantised_one():
+    layer = {"bf16": 3.0, "fp32": 6.0, "bnb-4bit": 2.5, "bnb-8bit": 9.0, "torchao-int8": "ImportError: no torchao",
+             "torchao-int4-weight-only": 1.0}
     assert ruled_out_by_screen(layer, margin=2.0) == {
         "bnb-4bit": "ruled out: its layer pass takes 2.5× the fastest form's",
         "bnb-8bit": "ruled out: its layer pass takes 9.0× the fastest form's",

@@ -218,7 +218,7 @@ def time_in_rounds(timed: dict[str, _Timed], options: MeasureOptions, bar: tqdm)
             continue
         fastest = min(timed[name].pass_ms() for name in running)
         for name in list(running):
-            if name != BASELINE.name and timed[name].pass_ms() > options.losing * fastest:
+            if name not in UNQUANTIZED and timed[name].pass_ms() > options.losing * fastest:  # see ruled_out_by_screen
                 running.remove(name)
                 stopped[name] = f"stopped after {r + 1} rounds: {timed[name].pass_ms() / fastest:.2f}× the fastest pass"
     return stopped

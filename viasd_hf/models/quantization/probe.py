@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
-from viasd_hf.models.quantization.schemes import BASELINE, FORMS, load_in
+from viasd_hf.models.quantization.schemes import FORMS, UNQUANTIZED, load_in
 
 
 @contextmanager
@@ -67,12 +67,14 @@ def screen(config: PretrainedConfig, names: Sequence[str]) -> dict[str, float | 
 
 
 def ruled_out_by_screen(layer: dict[str, float | str], margin: float) -> dict[str, str]:
-    """Why each form is not loaded: it failed the screen, or its layer pass is over ``margin`` times the fastest."""
+    """Why each form is not loaded: it failed the screen, or its layer pass is over ``margin`` times the fastest. An
+    unquantised form is never ruled out by speed: a one-token pass cannot show what it is worth (where bf16 is emulated
+    float32's is twice bf16's, while its passes over several tokens are cheaper)."""
     fastest = min((ms for ms in layer.values() if isinstance(ms, float)), default=None)
     reasons = {}
     for name, ms in layer.items():
         if isinstance(ms, str):
             reasons[name] = ms
-        elif name != BASELINE.name and ms > margin * fastest:
+        elif name not in UNQUANTIZED and ms > margin * fastest:
             reasons[name] = f"ruled out: its layer pass takes {ms / fastest:.1f}× the fastest form's"
     return reasons
