@@ -150,15 +150,19 @@ class SlowReading(torch.nn.Module):
             else None, with_kwargs=True)
 
 
-def test_a_batch_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not_pay(single_thread):
-    """A batch whose drafter must read long prompts at great cost: with few tokens left the read cannot be earned
-    back, so the call decodes plainly without it (the drafter runs no pass) and says why; with many tokens left the
-    same read pays and the call speculates. Output is greedy's either way."""
+@pytest.mark.parametrize("rows, first_call, unread, left", [(3, 24, 180, 21), (1, 80, 59, 8)])
+def test_a_call_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not_pay(single_thread, rows, first_call,
+                                                                                     unread, left):
+    """A call whose drafter must read long prompts at great cost, once the switch speculates: with few tokens left the
+    read cannot be earned back, so the call decodes plainly without it (the drafter runs no pass) and says why; with
+    many tokens left the same read pays and the call speculates. Output is greedy's either way. A batch prices the read
+    against its own prefill; a single sequence's drafter reads before the target's first pass, so against earlier
+    calls' prefills (its first call begins plainly and a probe reads)."""
     target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)  # every draft is accepted
     enable_viasd(target)
     SlowForward(target, 0.01)  # a pass of the target costs what drafting many tokens does: speculation pays
-    SlowReading(drafter, 0.5, columns=48)  # reading 3 prompts of 60 tokens costs 50 target passes
-    ids = torch.randint(2, 96, (3, 60), generator=torch.Generator().manual_seed(0))
+    SlowReading(drafter, 0.5, columns=48)  # reading a 60-token prompt costs 50 target passes
+    ids = torch.randint(2, 96, (rows, 60), generator=torch.Generator().manual_seed(0))
     config = ViaSDConfig(use_slim=False, drafter_precision="as_loaded")
 
     def call(max_new_tokens):
@@ -169,40 +173,12 @@ def test_a_batch_decodes_plainly_where_the_drafters_read_of_the_prompts_would_no
         assert torch.equal(out.sequences, expected)
         return out.viasd_stats
 
-    learned = call(24)  # nothing measured yet: the drafter reads, and the switch learns what reading and blocks cost
+    learned = call(first_call)  # the drafter reads, and the switch learns what reading and blocks cost
     assert learned.drafter_forwards > 0 and learned.speculation_verdict.startswith("speculating")
     short = call(8)
     assert short.drafter_forwards == 0 and short.plain_blocks == short.blocks
-    assert re.match(r"plain decoding: the drafter would first read 180 tokens \(about [\d.]+ s\), more than "
-                    r"speculating can save over the 21 tokens left \(speculative blocks", short.speculation_verdict)
-    long = call(150)
-    assert long.drafter_forwards > 0 and long.speculation_verdict.startswith("speculating")
-
-
-def test_a_single_sequence_decodes_plainly_where_the_drafters_read_of_the_prompt_would_not_pay(single_thread):
-    """As for a batch: once the switch speculates, a call whose drafter would first read a long prompt at great cost
-    decodes plainly without it when few tokens are left to earn the read back (priced before the target's first pass,
-    from earlier calls' reads and prefills), and reads and speculates when many are."""
-    target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)  # every draft is accepted
-    enable_viasd(target)
-    SlowForward(target, 0.01)
-    SlowReading(drafter, 0.5, columns=48)  # reading a 60-token prompt costs 50 target passes
-    ids = torch.randint(2, 96, (1, 60), generator=torch.Generator().manual_seed(0))
-    config = ViaSDConfig(use_slim=False, drafter_precision="as_loaded")
-
-    def call(max_new_tokens):
-        out = target.generate(ids, assistant_model=drafter, viasd_config=config, max_new_tokens=max_new_tokens,
-                              do_sample=False, return_dict_in_generate=True)  # fmt: skip
-        expected = target.generate(ids, viasd_config=None, max_new_tokens=max_new_tokens, do_sample=False)
-        assert torch.equal(out.sequences, expected)
-        return out.viasd_stats
-
-    learned = call(80)  # began plainly; a probe read the context, speculated and kept speculating
-    assert learned.drafter_forwards > 0 and learned.speculation_verdict.startswith("speculating")
-    short = call(8)
-    assert short.drafter_forwards == 0 and short.plain_blocks == short.blocks
-    assert re.match(r"plain decoding: the drafter would first read 59 tokens \(about [\d.]+ s\), more than "
-                    r"speculating can save over the 8 tokens left \(speculative blocks", short.speculation_verdict)
+    assert re.match(rf"plain decoding: the drafter would first read {unread} tokens \(about [\d.]+ s\), more than "
+                    rf"speculating can save over the {left} tokens left \(speculative blocks", short.speculation_verdict)
     long = call(150)
     assert long.drafter_forwards > 0 and long.speculation_verdict.startswith("speculating")
 
