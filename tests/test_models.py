@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from viasd_hf.models import zoo
 from viasd_hf.models.loading import load_pretrained
@@ -207,6 +207,23 @@ def test_zoo_model_is_built_once_then_reused(fake_zoo, monkeypatch: pytest.Monke
     assert tokenizer("ab cd").input_ids == [7, 6, 8]  # "ab", "Ġ", "cd" under the tiny byte-level BPE
     logits = lm(torch.tensor([[7, 8]])).logits
     assert logits.shape == (1, 2, 10) and torch.isfinite(logits).all()
+
+
+def test_a_conversion_parses_the_gguf_once(fake_zoo, monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers parses the file for the config, the weights and the tokenizer: one shared parse serves them all
+    fake_zoo()
+    parses = []
+    original = gguf.GGUFReader
+
+    def counted(path, mode="r"):
+        parses.append(Path(path).name)
+        return original(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    folder = resolve_zoo_model(FAKE)
+    assert parses == [f"{FAKE}.gguf"]
+    assert gguf.GGUFReader is counted  # put back once the conversion is over
+    assert AutoTokenizer.from_pretrained(folder)("ab cd").input_ids == [7, 6, 8]
 
 
 def test_checksum_mismatch_raises_and_caches_nothing(fake_zoo, tmp_path: Path, gguf_blob: bytes) -> None:

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from contextlib import ExitStack, contextmanager
@@ -177,9 +178,38 @@ def _fetch_gguf(model: ZooModel, work: Path) -> Path:
     return gguf_path
 
 
+_ONE_CONVERSION_AT_A_TIME = threading.Lock()  # guards the patched ``gguf.GGUFReader`` of ``_parsed_once``
+
+
+@contextmanager
+def _parsed_once() -> Iterator[None]:
+    """Let transformers share one ``GGUFReader`` per file.
+
+    transformers parses the GGUF afresh for the config, again for the weights and again for the tokenizer; with a
+    150k-token vocabulary and its merges in the metadata each parse takes ~20 s, the better part of a conversion.
+    The reader is a read-only view of the file, so one parse can serve every caller.
+    """
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def shared_reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    with _ONE_CONVERSION_AT_A_TIME:
+        gguf.GGUFReader = shared_reader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
+
+
 def _convert(model: ZooModel, gguf_path: Path, out: Path) -> None:
     """Dequantize the GGUF with transformers and save it as a float32 safetensors folder."""
-    with tqdm(total=3, desc=f"{model.name}: convert", unit="step") as bar:
+    with _parsed_once(), tqdm(total=3, desc=f"{model.name}: convert", unit="step") as bar:
         bar.set_postfix_str("load gguf weights")
         lm = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
         bar.update()
