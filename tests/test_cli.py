@@ -7,13 +7,16 @@ import contextlib
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 import transformers
 from huggingface_hub import constants
 
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
+from viasd_hf.bench import demo
 from viasd_hf.bench.methods import Outcome
 from viasd_hf.bench.runner import MethodRuns, run_methods, summarise
 from viasd_hf.cli import args as cli_args
@@ -246,10 +249,32 @@ def test_demo_runs_viasd_with_a_float32_target_too_where_bf16_is_emulated(capsys
     assert f"[verdict] {best} is " in out
 
 
+@pytest.mark.parametrize("budget, kinds", [(70.0, 2), (100.0, 3), (None, 4)])
+def test_demo_times_rounds_of_prompts_until_its_budget_is_spent(budget, kinds):
+    """Each of three methods takes 10 s a call: a round of one prompt costs 30 s. A round that would end past the
+    budget (judged by the mean round so far) is not started, two rounds at least; warm-up calls are not counted."""
+    now, calls = [0.0], []
+
+    def method(ids, tokens):
+        now[0] += 10.0
+        calls.append((ids.shape[1], tokens))
+        return SimpleNamespace(sequences=torch.cat([ids, torch.arange(tokens)[None]], dim=1))
+
+    prompts = {kind: torch.arange(40 + i)[None] for i, kind in enumerate(demo.PROMPTS)}
+    rows = demo.run_methods({"greedy": method, "a": method, "b": method}, prompts, 8, budget, clock=lambda: now[0])
+    assert calls[:3] == [(demo.WARM_UP_PROMPT_TOKENS, demo.WARM_UP_NEW_TOKENS)] * 3
+    assert len(calls) == 3 + 3 * kinds and kinds >= demo.MIN_ROUNDS
+    for row in rows:
+        assert list(row.outputs) == list(demo.PROMPTS)[:kinds] and row.tokens == 8 * kinds
+        assert row.seconds == 10.0 * kinds and row.identical
+
+
 @pytest.mark.parametrize("arguments, problem", [
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--dtype", "float64"], "--dtype"),
     (["--json", "/no/such/folder/demo.json"], "its folder does not exist"),
+    (["--budget", "-5"], "--budget"),
+    (["--budget", "nan"], "--budget"),
 ])
 def test_demo_checks_its_arguments_before_loading_models(arguments, problem, capsys, monkeypatch):
     monkeypatch.setattr("viasd_hf.bench.demo.load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))

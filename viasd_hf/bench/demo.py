@@ -2,7 +2,8 @@
 
 Every method decodes the same few short prompts of different kinds with the same target, each
 warmed up first, the methods taking turns on each prompt so that a change of machine load falls on
-all of them alike. HF assisted generation runs twice: with the drafter as loaded (what a user has)
+all of them alike. The prompts run in rounds (every method on one prompt) until a time budget is spent,
+two rounds at least, so that a first run on a slow machine still ends within minutes. HF assisted generation runs twice: with the drafter as loaded (what a user has)
 and with the drafter in the form VIA-SD picks for this machine, so the comparison is fair both ways.
 VIA-SD runs with the default ``ViaSDConfig()`` (lossless: its output must be greedy's own). Where the target
 runs in bf16 that the CPU emulates (no AVX512-BF16 or AMX), VIA-SD also runs with the target in float32, which
@@ -36,12 +37,16 @@ DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
 SMALL_TARGET = "smollm2-135m-instruct"
 PROMPT_LOOKUP_TOKENS = 5
 DTYPES = ("auto", "float32", "bfloat16")
+MAX_NEW_TOKENS = 48
+BUDGET_SECONDS = 150.0  # for the timed rounds; a round that would end past it is not started
+MIN_ROUNDS = 2  # prompts of two kinds at least, whatever the budget
+WARM_UP_PROMPT_TOKENS, WARM_UP_NEW_TOKENS = 16, 4  # enough to run every method's code once
 FLOAT32_ROW = "VIA-SD (float32 target)"  # where bf16 is emulated: VIA-SD's best exact configuration may be float32
 
-PROMPTS = {  # short prompts of different kinds: speculation pays differently on each
+PROMPTS = {  # short prompts of different kinds, in the order they run: speculation pays differently on each
     "code": "Write a Python function that checks whether a string is a palindrome.",
-    "edit": "Fix the bug in this function and return the corrected code:\n\ndef mean(xs):\n    return sum(xs) / len(xs) + 1",
     "explain": "Explain in three sentences what a hash table is.",
+    "edit": "Fix the bug in this function and return the corrected code:\n\ndef mean(xs):\n    return sum(xs) / len(xs) + 1",
     "rewrite": "Rewrite in plain words: The committee has resolved to defer its decision pending further consultation.",
 }
 
@@ -71,6 +76,8 @@ class DemoReport:
     rows: list[Row]
     max_new_tokens: int
     threads: int
+    prompts: list[str]  # the kinds timed: the first ones of PROMPTS, as many as the budget allowed
+    budget: float | None = None
     why_plain: str | None = None  # where VIA-SD decoded mostly plainly: why, from the target's measured pass costs
 
     def ratio(self, method: str, baseline: str) -> float:
@@ -101,7 +108,8 @@ class DemoReport:
                 "ratio": {baseline: self.ratio(row.method, baseline) for baseline in self.baselines()},
             }  # fmt: skip
         return {"target": self.target, "drafter": self.drafter, "precision": self.precision,
-                "max_new_tokens": self.max_new_tokens, "threads": self.threads, "prompts": list(PROMPTS),
+                "max_new_tokens": self.max_new_tokens, "threads": self.threads, "prompts": self.prompts,
+                "budget_seconds": self.budget,
                 "methods": methods, "why_plain": self.why_plain}  # fmt: skip
 
 
@@ -111,10 +119,12 @@ def identity(row: Row) -> str:
     return "no: " + ", ".join(f"{kind} from token {position}" for kind, position in row.first_difference.items())
 
 
-def check_arguments(max_new_tokens: int, dtype: str | None, json_path: str | None) -> None:
+def check_arguments(max_new_tokens: int, dtype: str | None, json_path: str | None, budget: float | None) -> None:
     """Refuse bad arguments before anything loads, rather than after minutes of decoding."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if budget is not None and not budget > 0:
+        raise ValueError(f"budget must be a positive number of seconds (or None: every prompt), got {budget}")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if json_path is not None and not Path(json_path).resolve().parent.is_dir():
@@ -127,24 +137,32 @@ def encode(tokenizer, prompt: str) -> torch.Tensor:
                                          return_dict=True)["input_ids"]  # fmt: skip
 
 
-def timed(generate, ids: torch.Tensor) -> tuple[object, float]:
-    started = time.perf_counter()
+def timed(generate, ids: torch.Tensor, clock=time.perf_counter) -> tuple[object, float]:
+    started = clock()
     with torch.no_grad():
         output = generate(ids)
-    return output, time.perf_counter() - started
+    return output, clock() - started
 
 
-def run_methods(methods: dict[str, object], prompts: dict[str, torch.Tensor], max_new_tokens: int) -> list[Row]:
-    """Warm every method up, then time each on every prompt, the methods taking turns prompt by prompt."""
-    first = next(iter(prompts.values()))
+def run_methods(methods: dict[str, object], prompts: dict[str, torch.Tensor], max_new_tokens: int,
+                budget: float | None = None, clock=time.perf_counter) -> list[Row]:  # fmt: skip
+    """Warm every method up, then time each on the prompts, the methods taking turns prompt by prompt (a round).
+    With a ``budget`` (seconds), a round that would end past it, judged by the mean round so far, is not started
+    once ``MIN_ROUNDS`` have run; the rows then cover the first prompts only."""
+    warm_up = next(iter(prompts.values()))[:, :WARM_UP_PROMPT_TOKENS]
     for generate in tqdm(methods.values(), desc="warm-up", leave=False):
-        timed(lambda ids: generate(ids, min(16, max_new_tokens)), first)
+        timed(lambda ids: generate(ids, min(WARM_UP_NEW_TOKENS, max_new_tokens)), warm_up)
     rows = {name: Row(name) for name in methods}
+    spent, rounds = 0.0, 0
     with tqdm(total=len(prompts) * len(methods), desc="timing") as progress:
         for kind, ids in prompts.items():
+            if budget is not None and rounds >= MIN_ROUNDS and spent * (rounds + 1) / rounds > budget:
+                break
+            rounds += 1
             for name, generate in methods.items():
                 progress.set_postfix_str(f"{kind}: {name}")
-                output, seconds = timed(lambda ids: generate(ids, max_new_tokens), ids)
+                output, seconds = timed(lambda ids: generate(ids, max_new_tokens), ids, clock)
+                spent += seconds
                 tokens = output.sequences[0, ids.shape[1] :].tolist()
                 rows[name].tokens += len(tokens)
                 rows[name].seconds += seconds
@@ -154,7 +172,7 @@ def run_methods(methods: dict[str, object], prompts: dict[str, torch.Tensor], ma
                 progress.update()
     greedy = rows["greedy"].outputs
     for row in rows.values():
-        for kind in prompts:
+        for kind in greedy:
             position = first_difference(row.outputs[kind], greedy[kind])
             if position is not None:
                 row.first_difference[kind] = position
@@ -195,11 +213,12 @@ def run_demo(
     small: bool = False,
     target_name: str | None = None,
     drafter_name: str | None = None,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     dtype: str | None = None,
     json_path: str | None = None,
+    budget: float | None = BUDGET_SECONDS,
 ) -> DemoReport:
-    check_arguments(max_new_tokens, dtype, json_path)
+    check_arguments(max_new_tokens, dtype, json_path, budget)
     target_name = target_name or (SMALL_TARGET if small else DEFAULT_TARGET)
     drafter_name = drafter_name or (None if small else DEFAULT_DRAFTER)
     dtype = dtype or "auto"
@@ -230,9 +249,10 @@ def run_demo(
                                   "costs about k one-token passes; a float32 target verifies them natively, though its "
                                   "one-token passes are slower")  # fmt: skip
     prompts = {kind: encode(tokenizer, text) for kind, text in PROMPTS.items()}
-    rows = run_methods(methods, prompts, max_new_tokens)
+    rows = run_methods(methods, prompts, max_new_tokens, budget)
     report = DemoReport(target_name, drafter_name or "prompt lookup", precision, rows, max_new_tokens,
-                        torch.get_num_threads(), why_plain(target, rows, measured.measurements if measured else ()))  # fmt: skip
+                        torch.get_num_threads(), list(rows[0].outputs), budget,
+                        why_plain(target, rows, measured.measurements if measured else ()))  # fmt: skip
     print_report(report, tokenizer)
     if json_path:
         Path(json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
@@ -264,8 +284,10 @@ def print_report(report: DemoReport, tokenizer) -> None:
     print(f"\n[{next(iter(PROMPTS))}] {tokenizer.decode(viasd.outputs[next(iter(PROMPTS))], skip_special_tokens=True)}\n")
     for role, form in report.precision.items():
         print(f"[precision] {role}: {form}")
-    print(f"[setup] {len(PROMPTS)} prompts ({', '.join(PROMPTS)}) x {report.max_new_tokens} new tokens, greedy, "
-          f"{report.threads} threads; every method warmed up, methods taking turns per prompt\n")  # fmt: skip
+    cut = "" if len(report.prompts) == len(PROMPTS) else (
+        f" of {len(PROMPTS)} (the rest would not have fitted the timing budget of {report.budget:.0f} s: --budget)")
+    print(f"[setup] {len(report.prompts)} prompts{cut} ({', '.join(report.prompts)}) x {report.max_new_tokens} new "
+          f"tokens, greedy, {report.threads} threads; every method warmed up, methods taking turns per prompt\n")  # fmt: skip
     print(report.table())
     differ = [row.method for row in report.rows if not row.identical]
     if set(differ) - {FLOAT32_ROW} and report.precision["target"].startswith("bfloat16"):
