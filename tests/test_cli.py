@@ -261,11 +261,12 @@ def test_demo_times_rounds_of_prompts_until_its_budget_is_spent(budget, kinds):
         return SimpleNamespace(sequences=torch.cat([ids, torch.arange(tokens)[None]], dim=1))
 
     prompts = {kind: torch.arange(40 + i)[None] for i, kind in enumerate(demo.PROMPTS)}
-    rows = demo.run_methods({"greedy": method, "a": method, "b": method}, prompts, 8, budget, clock=lambda: now[0])
+    tokens = demo.WARM_UP_NEW_TOKENS + 4
+    rows = demo.run_methods({"greedy": method, "a": method, "b": method}, prompts, tokens, budget, clock=lambda: now[0])
     assert calls[:3] == [(demo.WARM_UP_PROMPT_TOKENS, demo.WARM_UP_NEW_TOKENS)] * 3
     assert len(calls) == 3 + 3 * kinds and kinds >= demo.MIN_ROUNDS
     for row in rows:
-        assert list(row.outputs) == list(demo.PROMPTS)[:kinds] and row.tokens == 8 * kinds
+        assert list(row.outputs) == list(demo.PROMPTS)[:kinds] and row.tokens == tokens * kinds
         assert row.seconds == 10.0 * kinds and row.identical
 
 

@@ -37,10 +37,10 @@ DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
 SMALL_TARGET = "smollm2-135m-instruct"
 PROMPT_LOOKUP_TOKENS = 5
 DTYPES = ("auto", "float32", "bfloat16")
-MAX_NEW_TOKENS = 48
+MAX_NEW_TOKENS = 40
 BUDGET_SECONDS = 150.0  # for the timed rounds; a round that would end past it is not started
 MIN_ROUNDS = 2  # prompts of two kinds at least, whatever the budget
-WARM_UP_PROMPT_TOKENS, WARM_UP_NEW_TOKENS = 16, 4  # enough to run every method's code once
+WARM_UP_PROMPT_TOKENS, WARM_UP_NEW_TOKENS = 16, 12  # every method's code runs, VIA-SD probes speculation once
 FLOAT32_ROW = "VIA-SD (float32 target)"  # where bf16 is emulated: VIA-SD's best exact configuration may be float32
 
 PROMPTS = {  # short prompts of different kinds, in the order they run: speculation pays differently on each

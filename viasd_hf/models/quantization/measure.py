@@ -246,11 +246,11 @@ def _reference(
     return reference, judge_parameters, kept
 
 
-def judged_windows(names: Sequence[str], windows: Sequence[torch.Tensor], judged: bool) -> int:
-    """How many windows agreement is measured on: all of them where agreement decides (a quantised form, a drafter
-    judged by its target), one where it is only shown (unquantised forms of a model measured for itself are chosen by
-    speed alone; a bf16 pass over four prompts where bf16 is emulated takes a minute)."""
-    return len(windows) if judged or any(name in SCHEMES for name in names) else min(1, len(windows))
+def judged_windows(name: str, windows: Sequence[torch.Tensor], judged: bool) -> int:
+    """How many windows a form's agreement is measured on: all of them where agreement decides (a quantised form, a
+    drafter judged by its target), one where it is only shown (an unquantised form of a model measured for itself is
+    chosen by speed alone; a bf16 pass over four prompts where bf16 is emulated takes a minute)."""
+    return len(windows) if judged or name in SCHEMES else min(1, len(windows))
 
 
 def _loaded_and_timed(
@@ -291,7 +291,8 @@ def measure_forms(
         layer = screen(config, names)
         ruled_out = ruled_out_by_screen(layer, options.screen_margin)
         bar.update(1)
-        windows = windows[: judged_windows(names, windows, judge is not None)]
+        judged = {name: judged_windows(name, windows, judge is not None) for name in names if name not in ruled_out}
+        windows = windows[: max(judged.values())]
         reference, judge_parameters, models = _reference(load, judge, windows, keep_fp32=FLOAT32 in names)
         bar.update(1)
         loading = [name for name in names if name not in ruled_out]
@@ -311,7 +312,7 @@ def measure_forms(
             if error is None and name == FLOAT32 and not judge:
                 fields |= {"top1": 1.0, "kl": 0.0}  # the reference itself
             elif error is None:
-                fields |= _agreement(reference, models[name], windows)
+                fields |= _agreement(reference, models[name], windows[: judged[name]])
             results.append(Measurement(scheme=name, error=error, **fields))
         return results
 
