@@ -2,9 +2,10 @@
 
 Every method decodes the same few short prompts of different kinds with the same target, each
 warmed up first, the methods taking turns on each prompt so that a change of machine load falls on
-all of them alike. The prompts run in rounds (every method on one prompt) until a time budget is spent,
-two rounds at least, so that a first run on a slow machine still ends within minutes. HF assisted generation runs twice: with the drafter as loaded (what a user has)
-and with the drafter in the form VIA-SD picks for this machine, so the comparison is fair both ways.
+all of them alike. The prompts run in rounds (every method on one prompt) until a time budget is
+spent, two rounds at least, so that a first run on a slow machine still ends within minutes. HF
+assisted generation runs twice: with the drafter as loaded (what a user has) and with the drafter in
+the form VIA-SD picks for this machine, so the comparison is fair both ways.
 VIA-SD runs with the default ``ViaSDConfig()`` (lossless: its output must be greedy's own). Where the target
 runs in bf16 that the CPU emulates (no AVX512-BF16 or AMX), VIA-SD also runs with the target in float32, which
 verifies drafts natively: on such a CPU that may be VIA-SD's fastest exact configuration, and the table says
