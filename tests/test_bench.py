@@ -166,6 +166,22 @@ def test_ablated_methods_switch_off_their_lever_and_stay_lossless(table):
     assert outcomes["viasd_nocost"].viasd["slim_off_blocks"] == 0
 
 
+def test_an_asloaded_method_drafts_with_the_drafter_as_given(table, monkeypatch):
+    import viasd_hf.drafters.precision as precision
+
+    def no_faster_form(drafter):
+        raise AssertionError("asked for the drafter's fastest form")
+
+    monkeypatch.setattr(precision, "fastest_form", no_faster_form)
+    methods = table.build(["greedy", "two_tier_nofallback_asloaded", "two_tier_nofallback"])
+    ids = torch.tensor([[3, 17, 5, 3, 17, 5, 3, 17]])
+    common = {"max_new_tokens": 12, "do_sample": False, "return_dict_in_generate": True, "pad_token_id": 0}
+    outcome = methods["two_tier_nofallback_asloaded"](ids, common)
+    assert outcome.tokens == methods["greedy"](ids, common).tokens and outcome.viasd["drafter_forwards"] > 0
+    with pytest.raises(AssertionError, match="fastest form"):  # the default asks for it
+        methods["two_tier_nofallback"](ids, common)
+
+
 def test_run_methods_interleaves_and_keeps_every_repeat(table):
     methods = table.build(["greedy", "two_tier", "viasd"])
     examples = [Example("custom", "hello there"), Example("custom", "general kenobi")]

@@ -46,6 +46,7 @@ ABLATIONS = {
     "_fullprompt": "the drafter reads the whole prompt (drafter_context=None)",
     "_norunnerup": "no runner-up leaf beside greedy drafts (runner_up=False)",
     "_nofallback": "speculate on every block, never falling back to plain decoding (plain_fallback=False)",
+    "_asloaded": "draft with the drafter as loaded, not its fastest form here (drafter_precision='as_loaded')",
     FLOAT32_TARGET_SUFFIX: "the target in float32, a copy beside the one loaded: where the CPU emulates bf16 it "
                            "verifies drafts natively",
 }
@@ -240,6 +241,8 @@ class MethodTable:
             config = replace(config, runner_up=False)
         if "_nofallback" in method.ablations:
             config = replace(config, plain_fallback=False)
+        if "_asloaded" in method.ablations:
+            config = replace(config, drafter_precision="as_loaded")
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
         target = self.float32_target if FLOAT32_TARGET_SUFFIX in method.ablations else self.target
         return _viasd_method(enable_viasd(target), config, drafter, **extra)
