@@ -191,3 +191,46 @@ def test_a_models_form_is_its_dtype_or_the_quantisation_transformers_loaded_it_w
     assert form_of(model) == "bnb-4bit"
     model.config.quantization_config = {"quant_method": "torchao", "quant_type": "int4_weight_only"}
     assert form_of(model) == "torchao" and model_key("drafting copy", model) == "drafting copy (torchao)"
+
+
+def test_a_replay_takes_the_loop_per_target_pass_where_the_costs_measured_it():
+    passes = [Pass("target (float32)", "body", 5, context=50, layers=6, seconds=1.5),
+              Pass("target (float32)", "head", 1, vocab=96, seconds=0.5),
+              Pass("drafter (float32)", "body", 1, context=50, layers=6, seconds=0.0)]
+    costs = COSTS | {"models": COSTS["models"] | {"drafter (float32)": COSTS["models"]["target (float32)"]},
+                     "loop": {"viasd_lossless": {"per_target_pass": 0.25}}}
+    calls = [CallTrace("greedy", 0, 0, seconds=3.0, new_tokens=4, passes=passes[:2]),
+             CallTrace("viasd_lossless", 0, 0, seconds=3.0, new_tokens=4, passes=passes + passes[:1])]
+    methods = replay(calls, costs)
+    assert calls[1].target_passes == 2  # the drafter's body is no step of the target
+    assert methods["greedy"].projected_loop == pytest.approx(1.0)  # not measured there: as recorded
+    assert methods["viasd_lossless"].projected_loop == pytest.approx(2 * 0.25)
+    assert methods["viasd_lossless"].loop == pytest.approx(3.0 - 3.5)
+
+
+def test_the_loop_is_measured_per_traced_method_on_random_weights(traces, tmp_path):
+    from viasd_hf.bench.loop_costs import measure_loop
+
+    measured = measure_loop(traces, "cpu", repeats=1, new_tokens=6, progress=lambda _: None)
+    assert list(measured) == ["greedy", "viasd_lossless"]
+    assert all(m["per_target_pass"] > 0 for m in measured.values())
+    costs_file = tmp_path / "costs.json"
+    assert main(["replay", str(traces), "--measure-costs", str(costs_file), "--repeats", "1", "--loop"]) == 0
+    costs = json.loads(costs_file.read_text())
+    assert set(costs["loop"]) == {"greedy", "viasd_lossless"}
+    assert main(["replay", str(traces), "--costs", str(costs_file), "--loop"]) == 2
+
+
+def test_the_gpu_script_measures_slim_passes_of_configs_without_traces(tmp_path):
+    config = tiny_causal_lm("qwen2").config.to_dict()
+    config["num_hidden_layers"] = 8
+    config.pop("layer_types", None)
+    (tmp_path / "tiny.json").write_text(json.dumps(config))
+    out = tmp_path / "curves.json"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_costs.py"), "--shapes", str(tmp_path / "tiny.json"),
+                           "--device", "cpu", "--dtype", "float32", "--out", str(out), "--repeats", "1"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["slim_curves"]["tiny"]
+    assert [(row["budget"], row["width"]) for row in rows] == [(b, w) for w in (1, 6) for b in (0.15, 0.25, 0.35, 0.45)]
+    assert [row["skipped"] for row in rows[:4]] == [1, 2, 3, 4] and all(row["c"] > 0 for row in rows)

@@ -93,7 +93,8 @@ def build(described: dict[str, Any], device: str) -> nn.Module:
     form = described["form"]
     if form in UNQUANTIZED:
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, form)).to(device).eval()
+        with torch.device(device):  # initialised where it runs: a 32B model's random weights take seconds on a GPU
+            return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, form)).eval()
     if quantization is None:
         raise ValueError(f"cannot build a model in form {form!r} without its quantization_config in the traced config")
     from transformers.quantizers.auto import AutoQuantizationConfig
@@ -207,6 +208,41 @@ def head_costs(model: nn.Module, shapes: Iterable[tuple[int, int]], timer: Timer
         hidden = torch.randn(count, hidden_size, device=device, dtype=weight.dtype)
         seconds = timer(lambda: F.linear(hidden, weight).float())
         rows.append({"rows": count, "vocab": vocab, "seconds": seconds})
+    return rows
+
+
+@torch.inference_mode()
+def slim_curve(model: nn.Module, budgets: Iterable[float], widths: Iterable[int], context: int, timer: Timer,
+               device: str) -> list[dict]:
+    """The cost ``c`` of a slim pass relative to a full one (the body with ``budget`` of its layers skipped, then the
+    head over every row), per skip budget and width, after ``context`` cached tokens."""
+    from transformers import DynamicCache
+
+    body, head = model.get_decoder(), model.get_output_embeddings()
+    layers = body.layers
+    vocab = model.config.vocab_size
+    cache = DynamicCache(config=model.config)
+    body(input_ids=torch.randint(vocab, (1, context), device=device), cache=cache, use_cache=True)
+    rows = []
+    for width in widths:
+        ids = torch.randint(vocab, (1, width), device=device)
+
+        def run() -> None:
+            head(body(input_ids=ids, cache=cache, use_cache=True).last_hidden_state)
+
+        def crop() -> None:
+            _crop(cache, context)
+
+        full = timer(run, crop)
+        for budget in budgets:
+            skipped = _skipping(layers, round(budget * len(layers)))
+            try:
+                slim = timer(run, crop)
+            finally:
+                for layer in skipped:
+                    del layer.forward
+            rows.append({"budget": budget, "skipped": len(skipped), "layers": len(layers), "width": width,
+                         "context": context, "full": full, "slim": slim, "c": slim / full})
     return rows
 
 

@@ -1,9 +1,10 @@
 """Replay recorded calls on other pass costs: what each method's speed would be where passes cost that.
 
 A call's projected seconds are the sum of its traced passes (:mod:`viasd_hf.bench.traces`), each
-priced from a costs file (:mod:`viasd_hf.bench.pass_costs`), plus the seconds the call spent outside
-every pass, kept as recorded: the decoding loop's own work, which runs on the host CPU wherever the
-passes run. Prices between grid points are interpolated linearly in the tokens fed and the cache
+priced from a costs file (:mod:`viasd_hf.bench.pass_costs`), plus the decoding loop's own work between
+them: where the costs file measured the method's loop on its device (per target pass,
+:mod:`viasd_hf.bench.loop_costs`), that times the call's target passes; else the seconds the call
+spent outside every pass, as recorded. Prices between grid points are interpolated linearly in the tokens fed and the cache
 length; a routed pass is priced from the full pass and the cost per layer. The self-check: replayed
 on costs measured on the machine that recorded the traces, each method's projected speed must come
 within 10 % of its measured one.
@@ -84,6 +85,7 @@ class MethodReplay:
     measured: float = 0.0
     loop: float = 0.0
     projected: float = 0.0
+    projected_loop: float = 0.0
 
     @property
     def measured_tokens_per_s(self) -> float:
@@ -106,14 +108,24 @@ def replay(calls: list[CallTrace], costs: dict[str, Any]) -> dict[str, MethodRep
     if missing:
         raise KeyError(f"the costs file holds no costs for {', '.join(missing)}: measure them on this trace "
                        "(`viasd replay TRACES --measure-costs FILE`)")
+    loops = costs.get("loop", {})
     methods: dict[str, MethodReplay] = {}
     for call in calls:
         method = methods.setdefault(call.method, MethodReplay(call.method))
         method.new_tokens += call.new_tokens
         method.measured += call.seconds
         method.loop += call.loop_seconds
-        method.projected += call.loop_seconds + sum(priced[p.model].price(p) for p in call.passes)
+        loop = projected_loop(call, loops)
+        method.projected_loop += loop
+        method.projected += loop + sum(priced[p.model].price(p) for p in call.passes)
     return methods
+
+
+def projected_loop(call: CallTrace, loops: dict[str, dict]) -> float:
+    """The loop's seconds of a call where the passes cost the costs file's: per target pass as measured there
+    (:mod:`viasd_hf.bench.loop_costs`) where it measured this method's loop, else as recorded."""
+    measured = loops.get(call.method)
+    return call.loop_seconds if measured is None else measured["per_target_pass"] * call.target_passes
 
 
 def replay_markdown(methods: dict[str, MethodReplay], costs: dict[str, Any]) -> str:
@@ -122,8 +134,9 @@ def replay_markdown(methods: dict[str, MethodReplay], costs: dict[str, Any]) -> 
     lines = [
         f"Projected on {costs.get('device', '?')} (torch {costs.get('torch', '?')}):",
         "",
-        "| method | measured tokens/s | × greedy | loop share | projected tokens/s | × greedy | projected ÷ measured |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | measured tokens/s | × greedy | loop share | projected tokens/s | × greedy | loop share | "
+        "projected ÷ measured |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for method in methods.values():
         measured_ratio = method.measured_tokens_per_s / greedy.measured_tokens_per_s if greedy else float("nan")
@@ -131,7 +144,7 @@ def replay_markdown(methods: dict[str, MethodReplay], costs: dict[str, Any]) -> 
         lines.append(
             f"| {method.method} | {method.measured_tokens_per_s:.2f} | {measured_ratio:.2f} | "
             f"{method.loop / method.measured:.0%} | {method.projected_tokens_per_s:.2f} | {projected_ratio:.2f} | "
-            f"{1 + method.error:.2f} |"
+            f"{method.projected_loop / method.projected:.0%} | {1 + method.error:.2f} |"
         )
     return "\n".join(lines)
 

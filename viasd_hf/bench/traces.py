@@ -33,6 +33,7 @@ from viasd_hf.vocabulary.head import SubsetHead
 
 RUNS_FILE = "runs.jsonl"
 MODELS_FILE = "models.json"
+TARGET_ROLE = "target"
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class CallTrace:
     def loop_seconds(self) -> float:
         """The call's seconds outside every traced pass: the decoding loop's own work (and untraced small ops)."""
         return self.seconds - sum(p.seconds for p in self.passes)
+
+    @property
+    def target_passes(self) -> int:
+        """The passes of the target's body (the prompt's, and each full or slim verification): the loop's steps."""
+        return sum(1 for p in self.passes if p.kind == "body" and p.model.startswith(f"{TARGET_ROLE} ("))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -266,7 +272,7 @@ class CallTracer:
 def decoding_models(target: nn.Module, drafter: nn.Module) -> dict[str, nn.Module]:
     """The models a bench run decodes with: the pair, and the drafter's machine-chosen copy and its prompt reader
     where VIA-SD made them (:mod:`viasd_hf.drafters.precision`)."""
-    models = {"target": target, "drafter": drafter}
+    models = {TARGET_ROLE: target, "drafter": drafter}
     copy = drafting_copy(drafter)
     if copy is not None:
         models["drafting copy"] = copy

@@ -23,6 +23,9 @@ def add_replay_command(subparsers: argparse._SubParsersAction) -> None:
     replay.add_argument("--measure-costs", metavar="FILE",
                         help="instead: measure the costs of the traced passes here, on --device, into FILE")
     replay.add_argument("--device", default="cpu", help="where --measure-costs measures (cpu, cuda, cuda:1, ...)")
+    replay.add_argument("--loop", action="store_true",
+                        help="with --measure-costs: also run each traced method here on random-weight models and "
+                             "keep its loop's seconds per target pass (the replay then uses them, not the recorded)")
     replay.add_argument("--repeats", type=positive_int, default=3, help="timed passes per cost (the median is kept)")
     replay.add_argument("--check", action="store_true",
                         help="exit 1 where a projection misses the measured speed by more than 10 %% "
@@ -37,6 +40,8 @@ def run_replay_command(args: argparse.Namespace) -> int:
 
     if bool(args.costs) == bool(args.measure_costs):
         raise UsageError("give either --costs FILE (to project) or --measure-costs FILE (to measure), not both")
+    if args.loop and not args.measure_costs:
+        raise UsageError("--loop is measured with --measure-costs FILE")
     try:
         models, calls = read_traces(args.traces)
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -45,6 +50,10 @@ def run_replay_command(args: argparse.Namespace) -> int:
         check_output_file(args.measure_costs, "--measure-costs")
         try:
             costs = pass_costs.measure_costs(models, pass_costs.traced_needs(args.traces)[1], args.device, args.repeats)
+            if args.loop:
+                from viasd_hf.bench.loop_costs import measure_loop
+
+                costs["loop"] = measure_loop(args.traces, args.device)
         except (RuntimeError, ValueError, ImportError) as error:
             raise CommandError(f"--measure-costs on {args.device}: {first_line(error)}") from error
         pass_costs.write_costs(costs, args.measure_costs)
