@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the costs file to write")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per cost (the median is kept)")
     parser.add_argument("--loop", action="store_true", help="also measure each traced method's loop here")
+    parser.add_argument("--loop-traces", metavar="DIR",
+                        help="with --loop: write the calls it timed here as traces (to check the replay on this device)")
     parser.add_argument("--shapes", nargs="+", default=[], metavar="CONFIG",
                         help="config.json files whose slim-pass cost to measure at each skip budget")
     parser.add_argument("--dtype", default="bfloat16", help="the form of the --shapes models")
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(HERE.parent))
         from viasd_hf.bench.loop_costs import measure_loop
 
-        costs["loop"] = measure_loop(args.traces, args.device)
+        costs["loop"] = measure_loop(args.traces, args.device, record=args.loop_traces)
     if args.shapes:
         costs["slim_curves"] = slim_curves(pass_costs, args.shapes, args.device, args.dtype, args.repeats)
     pass_costs.write_costs(costs, args.out)

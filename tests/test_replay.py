@@ -211,9 +211,13 @@ def test_a_replay_takes_the_loop_per_target_pass_where_the_costs_measured_it():
 def test_the_loop_is_measured_per_traced_method_on_random_weights(traces, tmp_path):
     from viasd_hf.bench.loop_costs import measure_loop
 
-    measured = measure_loop(traces, "cpu", repeats=1, new_tokens=6, progress=lambda _: None)
+    measured = measure_loop(traces, "cpu", repeats=1, new_tokens=6, record=tmp_path / "here", progress=lambda _: None)
     assert list(measured) == ["greedy", "viasd_lossless"]
     assert all(m["per_target_pass"] > 0 for m in measured.values())
+    _, calls = read_traces(tmp_path / "here")  # the timed calls, as traces: a replay on this device's costs checks them
+    assert [(c.method, c.new_tokens) for c in calls] == [("greedy", 6), ("viasd_lossless", 6)]
+    for call in calls:
+        assert measured[call.method]["per_target_pass"] == pytest.approx(call.loop_seconds / call.target_passes)
     costs_file = tmp_path / "costs.json"
     assert main(["replay", str(traces), "--measure-costs", str(costs_file), "--repeats", "1", "--loop"]) == 0
     costs = json.loads(costs_file.read_text())

@@ -26,7 +26,7 @@ import torch
 
 from viasd_hf.bench.methods import MethodSettings, MethodTable
 from viasd_hf.bench.pass_costs import build
-from viasd_hf.bench.traces import TARGET_ROLE, CallTrace, PassRecorder, read_traces
+from viasd_hf.bench.traces import TARGET_ROLE, CallTrace, PassRecorder, TraceWriter, read_traces
 from viasd_hf.masks.routing_mask import RoutingMask
 
 PROMPT_TOKENS = 64
@@ -39,9 +39,11 @@ def _middle(layers: int, count: int) -> list[int]:
 
 
 def measure_loop(traces: str | Path, device: str, repeats: int = 2, new_tokens: int = NEW_TOKENS,
-                 progress: Callable[[str], None] = print) -> dict[str, Any]:
+                 record: str | Path | None = None, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Per traced method: the loop's seconds per target pass on ``device`` (the median over ``repeats`` timed calls
-    after one warm-up), with the target and drafter of the traces rebuilt there with random weights."""
+    after one warm-up), with the target and drafter of the traces rebuilt there with random weights. With ``record``,
+    the timed calls are written there as a traces folder: replayed on costs measured on the same device, they check
+    the replay there as the recording machine's traces check it at home."""
     models, calls = read_traces(traces)
     roles = {described["role"]: described for described in models.values()}
     target = build(roles[TARGET_ROLE], device)
@@ -54,7 +56,9 @@ def measure_loop(traces: str | Path, device: str, repeats: int = 2, new_tokens: 
     self_mask = RoutingMask.from_model(target, skip=_middle(layers, layers // 2))
     names = list(dict.fromkeys(call.method for call in calls))
     methods = MethodTable(target, drafter, mask, self_mask, MethodSettings()).build(names)
-    recorder = PassRecorder({TARGET_ROLE: target} | ({"drafter": drafter} if drafter is not target else {}))
+    traced = {TARGET_ROLE: target} | ({"drafter": drafter} if drafter is not target else {})
+    recorder = PassRecorder(traced)
+    writer = TraceWriter(record, traced) if record is not None else None
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(target.config.vocab_size, (1, PROMPT_TOKENS), generator=generator).to(device)
     common = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
@@ -71,6 +75,8 @@ def measure_loop(traces: str | Path, device: str, repeats: int = 2, new_tokens: 
                 outcome = method(ids, common)
                 seconds = time.perf_counter() - started
                 call = CallTrace(name, 0, repeat, seconds, len(outcome.tokens), recorder.take())
+                if writer is not None:
+                    writer.write(call)
                 per_pass.append(call.loop_seconds / max(call.target_passes, 1))
             measured[name] = {"per_target_pass": statistics.median(per_pass), "new_tokens": new_tokens}
     return measured
