@@ -122,7 +122,7 @@ class Timer:
         self.repeats = repeats
         self.long = long
 
-    def _once(self, run: Callable[[], Any], after: Callable[[], Any]) -> float:
+    def once(self, run: Callable[[], Any], after: Callable[[], Any] = lambda: None) -> float:
         if self.cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -134,10 +134,10 @@ class Timer:
         return seconds
 
     def __call__(self, run: Callable[[], Any], after: Callable[[], Any] = lambda: None) -> float:
-        first = self._once(run, after)
+        first = self.once(run, after)
         if first > self.long:
             return first
-        return statistics.median(self._once(run, after) for _ in range(self.repeats))
+        return statistics.median(self.once(run, after) for _ in range(self.repeats))
 
 
 def _skipping(layers: nn.ModuleList, count: int) -> list[nn.Module]:
@@ -215,7 +215,8 @@ def head_costs(model: nn.Module, shapes: Iterable[tuple[int, int]], timer: Timer
 def slim_curve(model: nn.Module, budgets: Iterable[float], widths: Iterable[int], context: int, timer: Timer,
                device: str) -> list[dict]:
     """The cost ``c`` of a slim pass relative to a full one (the body with ``budget`` of its layers skipped, then the
-    head over every row), per skip budget and width, after ``context`` cached tokens."""
+    head over every row), per skip budget and width, after ``context`` cached tokens: full and slim passes timed in
+    turn, ``c`` the median of their ratios (a drifting clock moves both alike)."""
     from transformers import DynamicCache
 
     body, head = model.get_decoder(), model.get_output_embeddings()
@@ -233,16 +234,21 @@ def slim_curve(model: nn.Module, budgets: Iterable[float], widths: Iterable[int]
         def crop() -> None:
             _crop(cache, context)
 
-        full = timer(run, crop)
-        for budget in budgets:
-            skipped = _skipping(layers, round(budget * len(layers)))
+        def slim(count: int) -> float:
+            skipped = _skipping(layers, count)
             try:
-                slim = timer(run, crop)
+                return timer.once(run, crop)
             finally:
                 for layer in skipped:
                     del layer.forward
-            rows.append({"budget": budget, "skipped": len(skipped), "layers": len(layers), "width": width,
-                         "context": context, "full": full, "slim": slim, "c": slim / full})
+
+        for budget in budgets:
+            count = round(budget * len(layers))
+            slim(count), timer.once(run, crop)  # warm-up
+            pairs = [(timer.once(run, crop), slim(count)) for _ in range(timer.repeats)]
+            rows.append({"budget": budget, "skipped": count, "layers": len(layers), "width": width, "context": context,
+                         "full": statistics.median(f for f, _ in pairs), "slim": statistics.median(s for _, s in pairs),
+                         "c": statistics.median(s / f for f, s in pairs)})
     return rows
 
 
