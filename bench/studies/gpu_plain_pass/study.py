@@ -25,6 +25,8 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd  # noqa: E402
 from viasd_hf.bench.pass_costs import build  # noqa: E402
 from viasd_hf.bench.traces import PassRecorder  # noqa: E402
@@ -34,6 +36,40 @@ SHAPES = REPO / "bench" / "gpu_shapes"
 
 def shape(name: str, dtype: str) -> dict:
     return {"config": json.loads((SHAPES / f"{name}.json").read_text()), "form": dtype}
+
+
+def described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}{'' if value.is_contiguous() else ' strided'}"
+    return type(value).__name__ if value is not None else "None"
+
+
+def what_a_pass_feeds(target: torch.nn.Module, run) -> dict[str, str]:
+    """The keyword arguments of the target's 10th forward in ``run()``, and what its first layer's SDPA call got."""
+    seen: dict[str, str] = {}
+    calls = {"forward": 0}
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def hook(module, args, kwargs):
+        calls["forward"] += 1
+        if calls["forward"] == 10:
+            seen.update({f"forward {key}": described(value) for key, value in kwargs.items()})
+            seen.update({f"forward arg {i}": described(value) for i, value in enumerate(args)})
+
+    def logged(module, query, key, value, attention_mask, *args, **kwargs):
+        if calls["forward"] == 10 and "sdpa mask" not in seen:
+            seen.update({"sdpa mask": described(attention_mask), "sdpa query": described(query),
+                         "sdpa key": described(key), "sdpa kwargs": ", ".join(sorted(kwargs))})
+        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = logged
+    try:
+        run()
+    finally:
+        handle.remove()
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    return seen
 
 
 def main() -> int:
@@ -72,6 +108,8 @@ def main() -> int:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
                 target.generate(ids, **common, **extra)
             operators[name] = Counter({e.key: e.count for e in profile.key_averages()})
+            for key, value in what_a_pass_feeds(target, lambda: target.generate(ids, **common, **extra)).items():
+                print(f"    {key}: {value}")
             host[name] = Counter({e.key: e.self_cpu_time_total for e in profile.key_averages()})
     base = "greedy"
     for name in calls:
