@@ -214,3 +214,25 @@ def test_enable_viasd_on_a_mixin_class_keeps_the_assistant_model():
     out = model.generate(ids, assistant_model=assistant, max_new_tokens=12, **GREEDY)
     assert torch.equal(out, target.generate(ids, max_new_tokens=12, **GREEDY))
     assert assistant_calls[0] > 0
+
+
+class _OldKeyword:
+    """A model whose forward takes its KV cache as ``past_key_values`` only (transformers before 5.24, or remote code
+    written for them): handed ``cache=``, it would run without the cache, silently."""
+
+    def forward(self, input_ids=None, past_key_values=None, **kwargs):
+        return super().forward(input_ids=input_ids, cache=past_key_values, **kwargs)
+
+
+def _with_old_keyword(model):
+    model.__class__ = type(f"Old{type(model).__name__}", (_OldKeyword, type(model)), {})
+    return model
+
+
+@pytest.mark.parametrize("role", ["the model", "the assistant model"])
+def test_a_model_that_takes_no_cache_keyword_is_refused_not_run_without_its_cache(role):
+    target, assistant = target_and_assistant()
+    _with_old_keyword(target if role == "the model" else assistant)
+    enable_viasd(target)
+    with pytest.raises(ValueError, match=f"{role} .*takes no `cache` argument.*transformers>=5.24"):
+        target.generate(prompt(), assistant_model=assistant, viasd_config=lossless(target), max_new_tokens=4, **GREEDY)

@@ -44,7 +44,7 @@ from viasd_hf.drafters.precision import drafter_for_call, prompt_reader
 from viasd_hf.engine.batch import BatchedDecoder, batch_drafter, check_batch_supported
 from viasd_hf.engine.kv_cache import new_cache
 from viasd_hf.engine.loop import ViaSDDecoder
-from viasd_hf.engine.preconditions import check_supported
+from viasd_hf.engine.preconditions import check_supported, check_takes_cache
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.state import DecodingState, ModelInputs, TargetCache
 from viasd_hf.engine.stats import ViaSDStats
@@ -75,6 +75,7 @@ def _drafter_id(assistant_model: nn.Module | None) -> str:
 
 
 def check_same_vocabulary(model: nn.Module, assistant_model: nn.Module) -> None:
+    check_takes_cache(assistant_model, "the assistant model")
     target_vocab = base_model(model).get_output_embeddings().weight.shape[0]
     drafter_vocab = base_model(assistant_model).get_output_embeddings().weight.shape[0]
     if target_vocab != drafter_vocab:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from viasd_hf.masks.architectures import is_encoder_decoder, model_type
+from viasd_hf.masks.architectures import base_model, is_encoder_decoder, model_type
 from viasd_hf.masks.layer_skipping import skipped_layers_here
 from viasd_hf.validation import is_int, wrong_type
 
@@ -24,9 +25,25 @@ def check_supported(
     decoding with more than one is refused by ``generate`` itself).
     """
     model_type(model)
+    check_takes_cache(model, "the model")
     check_not_routed(model)
     check_generation_config(generation_config)
     check_prompt(model, input_ids, model_kwargs)
+
+
+def check_takes_cache(model: nn.Module, role: str) -> None:
+    """Every pass hands the model its KV cache as ``cache=``: a forward that does not take it (transformers before
+    5.24, or remote code written for them) would take it for an unknown keyword and run without the cache, each
+    pass attending to its own tokens only, a silently wrong output."""
+    model = base_model(model)  # under a PEFT wrapper, whose forward passes every keyword on
+    if "cache" not in inspect.signature(type(model).forward).parameters:
+        import transformers
+
+        raise ValueError(
+            f"{role} ({type(model).__name__}) takes no `cache` argument in its forward, which VIA-SD passes the KV "
+            f"cache as (transformers {transformers.__version__} is installed): upgrade with "
+            "`pip install 'transformers>=5.24'`; a model with remote code needs a version written for it"
+        )
 
 
 def check_not_routed(model: nn.Module) -> None:
