@@ -238,3 +238,25 @@ def test_the_gpu_script_measures_slim_passes_of_configs_without_traces(tmp_path)
     rows = json.loads(out.read_text())["slim_curves"]["tiny"]
     assert [(row["budget"], row["width"]) for row in rows] == [(b, w) for w in (1, 6) for b in (0.15, 0.25, 0.35, 0.45)]
     assert [row["skipped"] for row in rows[:4]] == [1, 2, 3, 4] and all(row["c"] > 0 for row in rows)
+
+
+@pytest.mark.parametrize("keyword", ["past_key_values", "none"])
+def test_costs_hand_a_body_its_cache_under_its_own_keyword_and_refuse_one_that_ignores_it(keyword):
+    from viasd_hf.bench import pass_costs
+
+    model = tiny_causal_lm("qwen2")
+    body = model.get_decoder()
+    original = type(body).forward
+
+    def forward(self, input_ids=None, past_key_values=None, **kwargs):  # transformers before 5.24 named it so
+        cache = {"cache": past_key_values} if keyword == "past_key_values" else {}
+        return original(self, input_ids=input_ids, **cache, **kwargs)
+
+    body.__class__ = type("OldBody", (type(body),), {"forward": forward})
+    timer = pass_costs.Timer("cpu", 1)
+    if keyword == "none":
+        with pytest.raises(RuntimeError, match="did not write its KV cache"):
+            pass_costs.body_costs(model, [1], [4], timer, "cpu", routed=False)
+    else:
+        [row] = pass_costs.body_costs(model, [1], [4], timer, "cpu", routed=False)
+        assert row["context"] == 4 and row["full"] > 0

@@ -16,6 +16,7 @@ path on a machine where nothing else of viasd_hf is installed.
 
 from __future__ import annotations
 
+import inspect
 import json
 import statistics
 import tempfile
@@ -140,6 +141,19 @@ class Timer:
         return statistics.median(self.once(run, after) for _ in range(self.repeats))
 
 
+def _filled(body: nn.Module, cache: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Run ``body`` over ``ids`` on ``cache`` and check the cache took them: bodies of transformers before 5.24 take
+    it as ``past_key_values``, and one handed a keyword it does not know would run without a cache, timing passes
+    that attend to nothing before them."""
+    before = cache.get_seq_length()
+    keyword = "cache" if "cache" in inspect.signature(type(body).forward).parameters else "past_key_values"
+    hidden = body(input_ids=ids, use_cache=True, **{keyword: cache}).last_hidden_state
+    if cache.get_seq_length() != before + ids.shape[1]:
+        raise RuntimeError(f"{type(body).__name__} did not write its KV cache: these costs would be of passes "
+                           "without context")
+    return hidden
+
+
 def _skipping(layers: nn.ModuleList, count: int) -> list[nn.Module]:
     """Make the middle ``count`` layers the identity (as a routed pass skips them); returns them, to restore."""
     start = (len(layers) - count) // 2
@@ -172,12 +186,12 @@ def body_costs(model: nn.Module, widths: list[int], contexts: list[int], timer: 
     for context in contexts:
         cache = DynamicCache(config=model.config)
         if context:
-            body(input_ids=torch.randint(vocab, (1, context), device=device), cache=cache, use_cache=True)
+            _filled(body, cache, torch.randint(vocab, (1, context), device=device))
         for width in widths:
             ids = torch.randint(vocab, (1, width), device=device)
 
             def run() -> None:
-                body(input_ids=ids, cache=cache, use_cache=True)
+                _filled(body, cache, ids)
 
             def crop() -> None:
                 _crop(cache, context)
@@ -223,13 +237,13 @@ def slim_curve(model: nn.Module, budgets: Iterable[float], widths: Iterable[int]
     layers = body.layers
     vocab = model.config.vocab_size
     cache = DynamicCache(config=model.config)
-    body(input_ids=torch.randint(vocab, (1, context), device=device), cache=cache, use_cache=True)
+    _filled(body, cache, torch.randint(vocab, (1, context), device=device))
     rows = []
     for width in widths:
         ids = torch.randint(vocab, (1, width), device=device)
 
         def run() -> None:
-            head(body(input_ids=ids, cache=cache, use_cache=True).last_hidden_state)
+            head(_filled(body, cache, ids))
 
         def crop() -> None:
             _crop(cache, context)
