@@ -115,8 +115,9 @@ def build(described: dict[str, Any], device: str) -> nn.Module:
 
 class Timer:
     """Seconds of a callable on ``device``: synchronised on CUDA, the median of ``repeats`` after one warm-up; a call
-    of over ``long`` seconds is timed once, its warm-up kept (a first call's setup is lost in its seconds, and a
-    prompt's pass with emulated bf16 takes a minute)."""
+    whose warm-up took over ``long`` seconds is timed once more, and that second time kept (a prompt's pass with
+    emulated bf16 takes a minute; a GPU's first pass of a new shape can take a second of kernel setup, which no
+    later pass pays)."""
 
     def __init__(self, device: str, repeats: int, long: float = 1.0) -> None:
         self.cuda = device.startswith("cuda")
@@ -135,9 +136,8 @@ class Timer:
         return seconds
 
     def __call__(self, run: Callable[[], Any], after: Callable[[], Any] = lambda: None) -> float:
-        first = self.once(run, after)
-        if first > self.long:
-            return first
+        if self.once(run, after) > self.long:
+            return self.once(run, after)
         return statistics.median(self.once(run, after) for _ in range(self.repeats))
 
 
