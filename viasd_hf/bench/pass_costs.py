@@ -21,7 +21,8 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -154,13 +155,18 @@ def _filled(body: nn.Module, cache: Any, ids: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def _skipping(layers: nn.ModuleList, count: int) -> list[nn.Module]:
-    """Make the middle ``count`` layers the identity (as a routed pass skips them); returns them, to restore."""
+@contextmanager
+def _skipping(layers: nn.ModuleList, count: int) -> Iterator[None]:
+    """Within this block the middle ``count`` layers are the identity (as a routed pass skips them)."""
     start = (len(layers) - count) // 2
     chosen = list(layers)[start : start + count]
     for layer in chosen:
         layer.forward = lambda hidden_states, *args, **kwargs: hidden_states
-    return chosen
+    try:
+        yield
+    finally:
+        for layer in chosen:
+            del layer.forward
 
 
 def _crop(cache: Any, length: int) -> None:
@@ -199,12 +205,8 @@ def body_costs(model: nn.Module, widths: list[int], contexts: list[int], timer: 
             full = timer(run, crop)
             per_layer = None
             if routed:
-                skipped = _skipping(layers, half)
-                try:
+                with _skipping(layers, half):
                     slim = timer(run, crop)
-                finally:
-                    for layer in skipped:
-                        del layer.forward
                 per_layer = max(full - slim, 0.0) / half
             rows.append({"width": width, "context": context, "full": full, "per_layer": per_layer,
                          "layers": len(layers)})
@@ -249,12 +251,8 @@ def slim_curve(model: nn.Module, budgets: Iterable[float], widths: Iterable[int]
             _crop(cache, context)
 
         def slim(count: int) -> float:
-            skipped = _skipping(layers, count)
-            try:
+            with _skipping(layers, count):
                 return timer.once(run, crop)
-            finally:
-                for layer in skipped:
-                    del layer.forward
 
         for budget in budgets:
             count = round(budget * len(layers))
