@@ -200,11 +200,58 @@ def work_done(stats) -> dict:
     return {key: value for key, value in stats.to_dict().items() if key not in ("seconds", "tier_switches")}
 
 
-class TokensPerCall:
-    """Records, for every forward call of ``module``, how many tokens it was fed (a forward pre-hook).
+def tokens_fed(args: tuple, kwargs: dict) -> int:
+    """How many tokens a forward call was fed: of a whole model (``input_ids`` / ``decoder_input_ids``) or of a
+    submodule fed hidden states (``[batch, tokens, hidden]``)."""
+    for name in ("input_ids", "decoder_input_ids", "hidden_states", "inputs_embeds"):
+        if kwargs.get(name) is not None:
+            return kwargs[name].shape[1]
+    return args[0].shape[1]
 
-    Counts calls of a whole model (``input_ids`` / ``decoder_input_ids``) or of a submodule fed hidden
-    states (``[batch, tokens, hidden]``). Use as a context manager; the hook goes when it exits.
+
+class PassClock:
+    """A clock that moves only by the prices charged to modules' passes: what decoding costs, without the machine's
+    load in it.
+
+    Installed as the decoding loops' ``time`` (``install``), it makes every decision taken on timings (the
+    speculation switch, the drafter's read, the slim tier's controller) the same on any machine, however busy.
+    ``charge(module, price)``: each forward call of ``module`` costs ``price`` seconds, or ``price(tokens fed)``.
+    Use as a context manager; the hooks go when it exits.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.handles = []
+
+    def charge(self, module: nn.Module, price) -> PassClock:
+        def tick(_, args, kwargs):
+            self.now += price(tokens_fed(args, kwargs)) if callable(price) else price
+
+        self.handles.append(module.register_forward_pre_hook(tick, with_kwargs=True))
+        return self
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def install(self, monkeypatch) -> PassClock:
+        from viasd_hf.engine import loop, verifier
+        from viasd_hf.engine.batch import loop as batch_loop
+
+        for module in (loop, verifier, batch_loop):
+            monkeypatch.setattr(module, "time", self)
+        return self
+
+    def __enter__(self) -> PassClock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class TokensPerCall:
+    """Records, for every forward call of ``module``, how many tokens it was fed (``tokens_fed``, a forward
+    pre-hook). Use as a context manager; the hook goes when it exits.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -213,11 +260,7 @@ class TokensPerCall:
         self.handle = None
 
     def _record(self, module, args, kwargs):
-        for name in ("input_ids", "decoder_input_ids", "hidden_states", "inputs_embeds"):
-            if kwargs.get(name) is not None:
-                self.calls.append(kwargs[name].shape[1])
-                return
-        self.calls.append(args[0].shape[1])
+        self.calls.append(tokens_fed(args, kwargs))
 
     def __enter__(self) -> TokensPerCall:
         self.handle = self.module.register_forward_pre_hook(self._record, with_kwargs=True)

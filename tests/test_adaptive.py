@@ -7,12 +7,11 @@ import random
 import pytest
 import torch
 
-from conftest import zoo
+from conftest import PassClock, zoo
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.control.memory import tier_memory
 from viasd_hf.control.tier_controller import BlockCost, PricedBlocks, RepairLedger, TierController, measures_wall_clock
 from viasd_hf.engine import loop as decoding
-from viasd_hf.engine import verifier
 from viasd_hf.masks.architectures import decoder_layers
 
 
@@ -49,31 +48,6 @@ def test_the_controller_follows_a_change_of_costs():
     assert [s["slim_tier"] for s in controller.switches][-1] == "off"
 
 
-class LayerClock:
-    """A clock that ticks once per decoder layer run: what a pass costs, without the machine's load in it.
-
-    Installed as the decoder's ``time``, it makes a controller test on a real model deterministic: a
-    slim pass costs its kept layers, a full pass all of them.
-    """
-
-    def __init__(self, model):
-        self.ticks = 0.0
-        self.handles = [layer.register_forward_hook(self._tick) for layer in decoder_layers(model)]
-
-    def _tick(self, *_):
-        self.ticks += 1.0
-
-    def perf_counter(self) -> float:
-        return self.ticks
-
-    def __enter__(self) -> "LayerClock":
-        return self
-
-    def __exit__(self, *_) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
 @pytest.mark.integration
 def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2(monkeypatch):
     model, tokenizer = zoo("smollm2-135m-instruct")
@@ -83,9 +57,10 @@ def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2(monkeypatch):
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     common = dict(max_new_tokens=96, do_sample=False, return_dict_in_generate=True, prompt_lookup_num_tokens=4)
     measured = ViaSDConfig.paper(routing_mask=bad, tier_switching="measured", plain_fallback=False)
-    with LayerClock(model) as clock:
-        monkeypatch.setattr(decoding, "time", clock)
-        monkeypatch.setattr(verifier, "time", clock)
+    with PassClock() as clock:  # a pass costs the decoder layers it runs: a slim pass its kept layers
+        for layer in decoder_layers(model):
+            clock.charge(layer, 1.0)
+        clock.install(monkeypatch)
         adaptive = model.generate(ids, viasd_config=measured, **common).viasd_stats
     forced = model.generate(ids, viasd_config=ViaSDConfig.paper(routing_mask=bad, adaptive=False), **common).viasd_stats
     assert adaptive.slim_off_blocks > adaptive.slim_on_blocks

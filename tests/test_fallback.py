@@ -1,20 +1,19 @@
 """The floor under speculation: plain one-token decoding whenever speculating is measured slower.
 
-The switch is tested on synthetic timings (no clock), and the decoder on tiny models with a drafter
-made 50 ms slower per pass than the whole target pass, so the decision cannot depend on how busy the
-machine is.
+The switch is tested on synthetic timings, and the decoder on tiny models whose passes are priced by a
+``PassClock`` (a drafter's pass ten times the target's, say), so no decision depends on the machine or on
+how busy it is.
 """
 
 from __future__ import annotations
 
 import re
-import time
 import warnings
 
 import pytest
 import torch
 
-from conftest import assert_stats_consistent, tiny_causal_lm
+from conftest import PassClock, assert_stats_consistent, tiny_causal_lm
 from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.draft_planner import MeasuredCosts, StaticCosts
@@ -139,19 +138,8 @@ def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than
     assert not switch.reading_pays(0.0, 1000)
 
 
-class SlowReading(torch.nn.Module):
-    """Delays a model's passes over more than ``columns`` columns: a drafter whose read of long prompts is dear while
-    its drafting passes are cheap."""
-
-    def __init__(self, model: torch.nn.Module, seconds: float, columns: int) -> None:
-        super().__init__()
-        self.handle = model.register_forward_pre_hook(
-            lambda _, args, kwargs: time.sleep(seconds) if (args[0] if args else kwargs["input_ids"]).shape[1] > columns
-            else None, with_kwargs=True)
-
-
 @pytest.mark.parametrize("rows, first_call, unread, left", [(3, 24, 180, 21), (1, 80, 59, 8)])
-def test_a_call_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not_pay(single_thread, rows, first_call,
+def test_a_call_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not_pay(clock, rows, first_call,
                                                                                      unread, left):
     """A call whose drafter must read long prompts at great cost, once the switch speculates: with few tokens left the
     read cannot be earned back, so the call decodes plainly without it (the drafter runs no pass) and says why; with
@@ -160,8 +148,8 @@ def test_a_call_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not
     calls' prefills (its first call begins plainly and a probe reads)."""
     target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)  # every draft is accepted
     enable_viasd(target)
-    SlowForward(target, 0.01)  # a pass of the target costs what drafting many tokens does: speculation pays
-    SlowReading(drafter, 0.3, columns=48)  # reading a 60-token prompt costs 30 target passes
+    clock.charge(target, 0.01)  # a pass of the target costs what drafting ten tokens does: speculation pays
+    clock.charge(drafter, lambda tokens: 0.3 if tokens > 48 else 0.001)  # reading a 60-token prompt: 30 target passes
     ids = torch.randint(2, 96, (rows, 60), generator=torch.Generator().manual_seed(0))
     config = ViaSDConfig(use_slim=False, drafter_precision="as_loaded")
 
@@ -205,13 +193,11 @@ def test_a_probe_schedule_doubles_while_probes_confirm_and_resets_on_a_switch():
     assert schedule.interval == 4 and schedule.due_at == 44
 
 
-class SlowForward(torch.nn.Module):
-    """Wraps a model's forward with a fixed delay, as a drafter far too slow for the target would be."""
-
-    def __init__(self, model: torch.nn.Module, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-        self.handle = model.register_forward_pre_hook(lambda *_: time.sleep(self.seconds))
+@pytest.fixture
+def clock(monkeypatch, single_thread):
+    """A ``PassClock`` the decoding loops read; nothing charged, nothing costs. Tiny models run on one thread."""
+    with PassClock() as clock:
+        yield clock.install(monkeypatch)
 
 
 @pytest.fixture
@@ -222,9 +208,9 @@ def pair():
     return target, drafter
 
 
-def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_output(pair, prompt_ids, single_thread):
+def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_output(pair, prompt_ids, clock):
     target, drafter = pair
-    SlowForward(drafter, 0.05)
+    clock.charge(target, 0.005).charge(drafter, 0.05)
     expected = target.generate(prompt_ids, max_new_tokens=60, do_sample=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -239,7 +225,7 @@ def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_out
     assert_stats_consistent(stats, 60, "lossless")
 
 
-def test_the_verify_cost_fit_learns_from_plain_blocks_too(pair, prompt_ids, single_thread, monkeypatch):
+def test_the_verify_cost_fit_learns_from_plain_blocks_too(pair, prompt_ids, clock, monkeypatch):
     """The advice quotes the fitted cost of a 6-token pass against a one-token pass. Where verifying costs grow with
     the tokens fed (20 ms a token, as where bf16 is emulated), a fit over many plain blocks and a few probes' blocks
     says so (about 6x), not the weight-byte guess (about 1x); and plain blocks (but the first, which reads the prompt)
@@ -249,7 +235,7 @@ def test_the_verify_cost_fit_learns_from_plain_blocks_too(pair, prompt_ids, sing
         costs.observe_verifying(*((0.042, 2) if block % 3 == 0 else (0.022, 1)))
     assert 5.0 < costs.verify_ratio() < 6.0  # (2 + 6 · 20) / (2 + 20) ms
     target, drafter = pair
-    SlowForward(drafter, 0.05)
+    clock.charge(target, 0.005).charge(drafter, 0.05)
     widths = []
     observe = MeasuredCosts.observe_verifying
     monkeypatch.setattr(MeasuredCosts, "observe_verifying",
@@ -259,10 +245,10 @@ def test_the_verify_cost_fit_learns_from_plain_blocks_too(pair, prompt_ids, sing
     assert out.viasd_stats.plain_blocks > 1 and widths.count(1) >= out.viasd_stats.plain_blocks - 1  # all but the first
 
 
-def test_a_probe_of_plain_decoding_while_speculation_pays_gives_no_fallback_advice(pair, prompt_ids, single_thread,
+def test_a_probe_of_plain_decoding_while_speculation_pays_gives_no_fallback_advice(pair, prompt_ids, clock,
                                                                                    monkeypatch):
     target, drafter = pair
-    SlowForward(target, 0.01)  # a plain token costs a slow pass; a speculative block of accepted drafts, one
+    clock.charge(target, 0.01).charge(drafter, 0.001)  # a plain token costs a pass; so does a block of accepted drafts
     monkeypatch.setattr(SpeculationSwitch, "_blocks_to_earn_back", lambda self: 0)  # probes as often as scheduled
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -300,20 +286,20 @@ def test_only_the_blocks_the_length_limit_cut_short_are_kept_from_the_switch(pai
     assert all(cut_short == (index == len(speculative) - 1) for index, (_, cut_short) in enumerate(speculative))
 
 
-def test_a_reproducible_call_never_falls_back(pair, prompt_ids, single_thread):
+def test_a_reproducible_call_never_falls_back(pair, prompt_ids, clock):
     """Where timings may not steer a call (``tier_switching="fixed"``), every block drafts, however slow the drafter."""
     target, drafter = pair
-    SlowForward(drafter, 0.01)
+    clock.charge(target, 0.001).charge(drafter, 0.01)
     config = ViaSDConfig(mode="lossless", use_slim=False, tier_switching="fixed")
     out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=20, do_sample=False,
                           return_dict_in_generate=True)  # fmt: skip
     assert out.viasd_stats.plain_blocks == 0 and out.viasd_stats.speculation_verdict is None
 
 
-def test_the_switch_is_remembered_so_the_next_call_starts_plain(pair, prompt_ids, single_thread):
+def test_the_switch_is_remembered_so_the_next_call_starts_plain(pair, prompt_ids, clock):
     """A remembered fallback also skips the drafter's prefill: the drafter reads nothing until a probe needs it."""
     target, drafter = pair
-    SlowForward(drafter, 0.05)
+    clock.charge(target, 0.005).charge(drafter, 0.05)
     config = ViaSDConfig(mode="lossless", use_slim=False)
     target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=100, do_sample=False)
     out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=8, do_sample=False,
@@ -338,9 +324,9 @@ def test_the_advice_says_what_to_do_where_bf16_is_emulated(monkeypatch):
     assert "emulated" not in cheap_verify and "1.1x a one-token pass" in cheap_verify and "drafter" in cheap_verify
 
 
-def test_plain_fallback_off_speculates_on_every_block(pair, prompt_ids, single_thread):
+def test_plain_fallback_off_speculates_on_every_block(pair, prompt_ids, clock):
     target, drafter = pair
-    SlowForward(drafter, 0.01)
+    clock.charge(target, 0.001).charge(drafter, 0.01)
     config = ViaSDConfig(mode="lossless", use_slim=False, plain_fallback=False)
     out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=20, do_sample=False,
                           return_dict_in_generate=True)  # fmt: skip
