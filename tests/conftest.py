@@ -99,6 +99,17 @@ def without_layers(model: PreTrainedModel, skip: list[int]) -> PreTrainedModel:
     return reference
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker takes its share of the cores (one thread each on two cores), it and what it
+    starts (a notebook's kernel, a CLI subprocess): workers contending for threads run several times slower."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // int(workers))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 @pytest.fixture
 def prompt_ids() -> torch.Tensor:
     generator = torch.Generator().manual_seed(1234)

@@ -332,6 +332,7 @@ def test_sliding_window_models_are_refused_in_a_batch():
 
 
 @pytest.mark.integration
+@pytest.mark.xdist_group("qwen-pair")  # the worker that already holds the pair (tests/test_decoding_zoo.py)
 def test_qwen_coder_pair_batched_equals_each_prompt_alone():
     """Two code prompts of different lengths (so one is left-padded) through the Qwen2.5-Coder 1.5B ← 0.5B pair in
     float32, with the slim tier repairing drafts: each batched row is what greedy ``generate`` gives that prompt alone

@@ -63,6 +63,7 @@ def test_smollm2_lossless_equals_generate(drafter_kind, prompt_index):
 
 
 @pytest.mark.parametrize("prompt_index", range(2))
+@pytest.mark.xdist_group("qwen-pair")  # one worker loads the pair (tests/test_batch.py uses it too)
 def test_qwen_coder_pair_lossless_equals_generate(prompt_index):
     target, tokenizer = zoo("qwen2.5-coder-1.5b-instruct")
     drafter, _ = zoo("qwen2.5-coder-0.5b-instruct")
