@@ -173,13 +173,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", type=int, default=16, help="scored tokens per window (τ)")
     parser.add_argument("--depths", default=",".join(map(str, DEFAULT_DEPTHS)), help="window starts into the continuation")
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads (default: torch's, %(default)s here); one where another job shares the cores")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Score a target's shipped masks per family and write ``heldout_comparison.md`` and ``.json`` next to them."""
     args = _parser().parse_args(argv)
-    torch.set_num_threads(1)  # the machine is shared; one thread is the fastest there (DIMR_SEARCH_NOTES)
+    torch.set_num_threads(args.threads)
     folder = Path(args.masks or Path("hub_masks") / Path(args.target.rstrip("/")).name.lower())
     masks = shipped_masks(folder)
     if not masks:
