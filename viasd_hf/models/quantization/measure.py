@@ -170,14 +170,14 @@ class _Timed:
                 self.cache.update(keys.to(model.dtype), values.to(model.dtype), layer)
         else:
             with torch.no_grad():
-                model(context, past_key_values=self.cache, use_cache=True)
+                model(context, cache=self.cache, use_cache=True)
         self._time(block[:, :1])  # warm-up
         self._time(block)
 
     @torch.no_grad()
     def _time(self, ids: torch.Tensor) -> float:
         start = time.perf_counter()
-        self.model(ids, past_key_values=self.cache, use_cache=True)
+        self.model(ids, cache=self.cache, use_cache=True)
         elapsed = time.perf_counter() - start
         crop_to(self.cache, self.length)
         return elapsed
