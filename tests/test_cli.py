@@ -230,6 +230,8 @@ def test_demo_small_prints_the_table_side_by_side_and_writes_it_as_json(capsys, 
     assert viasd["tokens"] == 12 * len(data["prompts"]) and viasd["tokens_per_second"] > 0
     assert set(viasd["ratio"]) == {"greedy", "HF prompt lookup"}
     assert data["precision"]["target"].startswith("float32")
+    assert data["environment"]["cpu"] in out and data["environment"]["torch_threads"] == data["threads"]
+    assert {"commit", "torch", "transformers"} <= set(data["environment"]), "the table names its machine and source"
 
 
 @pytest.mark.integration

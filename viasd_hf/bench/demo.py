@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from viasd_hf.bench.report import environment
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.speculation_switch import fallback_advice
 from viasd_hf.drafters.precision import fastest_form
@@ -80,6 +81,7 @@ class DemoReport:
     prompts: list[str]  # the kinds timed: the first ones of PROMPTS, as many as the budget allowed
     budget: float | None = None
     why_plain: str | None = None  # where VIA-SD decoded mostly plainly: why, from the target's measured pass costs
+    environment: dict = field(default_factory=environment)  # versions, commit, CPU: the machine the table is of
 
     def ratio(self, method: str, baseline: str) -> float:
         rates = {row.method: row.tokens_per_second for row in self.rows}
@@ -111,7 +113,7 @@ class DemoReport:
         return {"target": self.target, "drafter": self.drafter, "precision": self.precision,
                 "max_new_tokens": self.max_new_tokens, "threads": self.threads, "prompts": self.prompts,
                 "budget_seconds": self.budget,
-                "methods": methods, "why_plain": self.why_plain}  # fmt: skip
+                "methods": methods, "why_plain": self.why_plain, "environment": self.environment}  # fmt: skip
 
 
 def identity(row: Row) -> str:
@@ -288,7 +290,8 @@ def print_report(report: DemoReport, tokenizer) -> None:
     cut = "" if len(report.prompts) == len(PROMPTS) else (
         f" of {len(PROMPTS)} (the rest would not have fitted the timing budget of {report.budget:.0f} s: --budget)")
     print(f"[setup] {len(report.prompts)} prompts{cut} ({', '.join(report.prompts)}) x {report.max_new_tokens} new "
-          f"tokens, greedy, {report.threads} threads; every method warmed up, methods taking turns per prompt\n")  # fmt: skip
+          f"tokens, greedy, {report.threads} threads on {report.environment['cpu']}; every method warmed up, "
+          "methods taking turns per prompt\n")  # fmt: skip
     print(report.table())
     differ = [row.method for row in report.rows if not row.identical]
     if set(differ) - {FLOAT32_ROW} and report.precision["target"].startswith("bfloat16"):

@@ -125,9 +125,10 @@ def source_revision(package: Path | None = None) -> dict[str, str | bool | None]
     return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
 
 
-def environment(bandwidth_gb_s: float) -> dict[str, Any]:
+def environment(bandwidth_gb_s: float | None = None) -> dict[str, Any]:
     """Versions, threads and hardware: a ratio means little without the machine it was measured on; and the
-    commit of the source that measured it."""
+    commit of the source that measured it. ``bandwidth_gb_s``: the machine's measured memory bandwidth, where the
+    caller measured it."""
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
