@@ -87,16 +87,22 @@ def test_a_judge_with_another_tokenizer_is_refused(tmp_path):
         measure(str(drafter), AVAILABLE[:1], MeasureOptions(repeats=1, threads=1, judge=str(target)), progress=False)
 
 
-def test_auto_for_a_drafter_is_measured_against_its_target_and_cached_apart(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fp16_native", [False, True], ids=["fp16 converted", "fp16 native"])
+def test_auto_for_a_drafter_is_measured_against_its_target_and_cached_apart(fp16_native, tmp_path, monkeypatch):
+    """fp16 is a candidate only where the CPU computes in it, whatever CPU runs the test."""
     monkeypatch.setenv("VIASD_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(quantization_choice, "native_fp16", lambda: fp16_native)
+    unquantised = ["fp32", "fp16"] if fp16_native else ["fp32"]
     judges = []
 
     def fake_measure(name_or_path, schemes, options, **kwargs):
         judges.append(options.judge)
         if options.judge is None:
             return [judged("bf16", 1.0, 0.99, None), *(judged(s, 0.5, 0.5, None) for s in schemes)]
-        assert schemes[0] == "fp32", "a drafter's unquantised forms are candidates too"
-        return [judged("bf16", 1.0, 0.75), judged("fp32", 1.4, 0.75), *(judged(s, 0.5, 0.72) for s in schemes[1:])]
+        assert schemes[: len(unquantised)] == unquantised, "a drafter's unquantised forms are candidates too"
+        quantised = schemes[len(unquantised):]
+        return [judged("bf16", 1.0, 0.75), judged("fp32", 1.4, 0.75), *(judged(s, 1.0, 0.75) for s in unquantised[1:]),
+                *(judged(s, 0.5, 0.72) for s in quantised)]  # fmt: skip
 
     monkeypatch.setattr(quantization_choice, "measure", fake_measure)
     as_drafter = resolve_quantization("some-drafter", AUTO, draft_for="some-target")
