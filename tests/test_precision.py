@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, models
+from torch import nn
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast
 
@@ -20,6 +21,7 @@ from viasd_hf.drafters import precision as drafter_precision
 from viasd_hf.models.loading import load_pretrained
 from viasd_hf.models.quantization import (
     BASELINE,
+    SCHEMES,
     Measurement,
     MeasureOptions,
     cached_measure,
@@ -296,20 +298,26 @@ def test_a_drafter_measured_fastest_quantised_drafts_as_a_quantised_copy_with_ge
 
 
 @pytest.mark.machine_precision
-def test_a_4bit_drafting_copy_reads_long_prompts_through_its_dequantised_twin(measured, monkeypatch):
-    """The twin computes the 4-bit model with plain linear layers and shares everything else; a lossless call whose
-    copy is 4-bit reads its prompt through the twin (one pass over it) and drafts with the copy."""
-    bnb = pytest.importorskip("bitsandbytes")
+@pytest.mark.parametrize("scheme", ["bnb-4bit", "torchao-int4-weight-only"])
+def test_a_quantised_drafting_copy_reads_long_prompts_through_its_dequantised_twin(scheme, measured, monkeypatch):
+    """The twin computes the quantised model with plain linear layers and shares everything else; a lossless call
+    whose copy is quantised reads its prompt through the twin (one pass over it) and drafts with the copy."""
+    if not SCHEMES[scheme].available:
+        pytest.skip(f"{SCHEMES[scheme].requirement} is not installed")
     calls, verdict = measured
-    verdict[0] = "bnb-4bit"
-    # bitsandbytes' CPU kernel needs layers at least a quantisation block (64) wide
-    target = enable_viasd(tiny_causal_lm("llama", seed=0, hidden_size=64, intermediate_size=128))
+    verdict[0] = scheme
+    # the 4-bit CPU kernels need layers at least a quantisation group (64 for bitsandbytes, 128 for torchao) wide
+    target = enable_viasd(tiny_causal_lm("llama", seed=0, hidden_size=128, intermediate_size=256))
     drafter = near_copy(target, scale=0.01)
     copy = drafter_precision.fastest_form(drafter)
     twin = drafter_precision.prompt_reader(copy)
     assert copy.hf_quantizer is not None
     assert twin is not None and twin is not copy
-    assert not any(isinstance(module, bnb.nn.Linear4bit) for module in twin.modules())
+    quantised = [name for name, module in copy.named_modules() if type(module).__name__ == "Linear4bit"
+                 or type(getattr(module, "weight", None)).__module__.startswith("torchao")]  # fmt: skip
+    plain = dict(twin.named_modules())
+    assert quantised and all(type(plain[name]) is nn.Linear and type(plain[name].weight) is nn.Parameter
+                             for name in quantised), "every quantised layer is a plain one in the twin"  # fmt: skip
     assert twin.get_input_embeddings() is copy.get_input_embeddings(), "everything but the 4-bit layers is shared"
     ids = torch.randint(2, VOCAB, (1, 48), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

@@ -141,7 +141,7 @@ class AssistantDrafter(_ModelDrafter):
     ) -> None:
         super().__init__(logits_processor, confidence_threshold, do_sample, head, end_tokens)
         self.model = model
-        self.reader = reader  # the same model for long passes (a 4-bit copy's dequantised twin), if any
+        self.reader = reader  # the same model for long passes (a quantised copy's dequantised twin), if any
         self.inputs = inputs or ModelInputs()
         self.context = context
         self.cache = new_cache(model.config)

@@ -12,7 +12,7 @@ per architecture and machine (about a minute for a 0.5B model), then read from t
 per drafter is kept while the drafter lives, so the conversion is paid once and later calls reuse it;
 a drafter whose weights change afterwards keeps its first copy, so pass ``"as_loaded"`` for one that
 is still being trained. The user's model is never changed. Tiered mode, sampling and ``"as_loaded"``
-draft with the model as given: there the drafter's distribution shapes the output. A 4-bit copy reads
+draft with the model as given: there the drafter's distribution shapes the output. A quantised copy reads
 prompts through its twin with the same weights dequantised (``prompt_reader``,
 :mod:`viasd_hf.models.quantization.reader`), made with the copy.
 """
@@ -72,8 +72,8 @@ def in_form(drafter: nn.Module, form: Scheme) -> bool:
 
 
 def prompt_reader(model: nn.Module) -> nn.Module | None:
-    """The twin through which a 4-bit drafting copy made here reads prompts (the same weights, dequantised); None for
-    any other model."""
+    """The twin through which a quantised drafting copy made here reads prompts (the same weights, dequantised);
+    None for any other model."""
     with _LOCK:
         return _READERS.get(model)
 

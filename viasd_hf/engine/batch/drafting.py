@@ -94,7 +94,7 @@ class BatchAssistant:
     def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None,
                  end_tokens: frozenset[int], rows: int, device: torch.device, reader: nn.Module | None = None) -> None:
         self.model = model
-        self.reader = reader  # the same model for reading the prompts (a 4-bit copy's dequantised twin), if any
+        self.reader = reader  # the same model for reading the prompts (a quantised copy's dequantised twin), if any
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
         self.end_tokens = end_tokens
