@@ -1,6 +1,6 @@
 """Where a batch's time goes: the target's prefill, a one-token batched pass, the drafter's read of the prompts
-(bf16, its bnb-4bit copy, the form ``drafter_precision="auto"`` picks on AVX512-BF16 CPUs, and that copy's
-reader, the same weights dequantised, through which VIA-SD reads), then batched greedy
+(bf16; its copy in the form ``drafter_precision="auto"`` picks here, bitsandbytes 4-bit on a Zen4,
+torchao int4 on an AMX Xeon; and that copy's reader, the same weights dequantised, through which VIA-SD reads), then batched greedy
 ``generate`` against batched lossless VIA-SD on the same batch (seconds and ``viasd_stats``). The first HumanEval
 prompts as one left-padded batch, torch's default threads:
 
@@ -43,7 +43,7 @@ print(f"batch {tuple(ids.shape)}, {new_tokens} new tokens a row, {torch.get_num_
 for round_ in range(2):  # the first round pays first-use costs; read the second
     cache = target(ids, attention_mask=mask, use_cache=True).past_key_values
     step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-    step = seconds(lambda: target(ids[:, -1:], attention_mask=step_mask, past_key_values=cache))
+    step = seconds(lambda: target(ids[:, -1:], attention_mask=step_mask, cache=cache))
     print(f"round {round_}: target prefill {seconds(lambda: target(ids, attention_mask=mask)):.2f} s, "
           f"one-token batched pass {step:.3f} s, "
           + ", ".join(f"{name} read {seconds(lambda m=m: m.model(ids, attention_mask=mask)):.2f} s"
