@@ -22,6 +22,7 @@ from conftest import (
 )
 from viasd_hf import RoutingMask, ViaSDConfig, ViaSDStats, enable_viasd, viasd_generate
 from viasd_hf.control.speculation_switch import SpeculationSwitch
+from viasd_hf.drafters.model import Reader
 from viasd_hf.engine.batch import BatchViaSDStats, ragged_cache
 from viasd_hf.engine.batch.ragged_cache import RaggedCache
 
@@ -90,12 +91,13 @@ def assert_identical_to_generate(target, rows, out, max_new_tokens=24, **kwargs)
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("drafter_kind", ["assistant", "prompt_lookup", "hybrid"])
+@pytest.mark.parametrize("drafter_kind", ["assistant", "prompt_lookup", "hybrid", "self"])
 def test_every_row_equals_its_own_greedy_generate_and_the_batched_one(pair, seed, drafter_kind):
     target, assistant = pair
-    rows = prompts(seed, repeat=drafter_kind != "assistant")
-    lookup = {"prompt_lookup_num_tokens": 4} if drafter_kind != "assistant" else {}
-    out = batched(target, rows, slim_config(target), assistant if drafter_kind != "prompt_lookup" else None, **lookup)
+    rows = prompts(seed, repeat=drafter_kind in ("prompt_lookup", "hybrid"))
+    lookup = {"prompt_lookup_num_tokens": 4} if drafter_kind in ("prompt_lookup", "hybrid") else {}
+    config = slim_config(target, self_draft_mask=RoutingMask.from_model(target, skip=[1, 2]))
+    out = batched(target, rows, config, assistant if drafter_kind in ("assistant", "hybrid") else None, **lookup)
     generated = assert_identical_to_generate(target, rows, out)
     stats = out.viasd_stats
     assert isinstance(stats, BatchViaSDStats) and stats.batch_size == len(rows) == len(stats.rows)
@@ -141,25 +143,27 @@ def test_a_batch_decoding_plainly_takes_one_full_pass_per_token_as_generate(pair
     assert stats.drafter_forwards == 0 and all(row.full_forwards == 6 for row in stats.rows)
 
 
-def test_the_assistant_reads_the_prompts_through_its_reader_and_drafts_with_itself(pair, monkeypatch):
-    """Where the drafting model has a reader (a 4-bit copy's dequantised twin), the prompts' read (all rows, one pass)
-    goes through it and every drafting pass through the model; the output is greedy's."""
+def test_the_assistant_runs_long_passes_through_its_reader_and_short_ones_itself(pair, monkeypatch):
+    """Where the drafting model has a reader (a 4-bit copy's dequantised twin, measured faster from some number of
+    tokens a pass), the prompts' read (all rows, one pass) and every pass at least that long go through it, every
+    shorter pass through the model; the output is greedy's."""
     import viasd_hf.generation as generation
 
     target, assistant = pair
-    reader = copy.deepcopy(assistant)
+    reader = Reader(copy.deepcopy(assistant), from_tokens=12)
     passes = {"reader": [], "assistant": []}
-    for name, model in (("reader", reader), ("assistant", assistant)):
+    for name, model in (("reader", reader.twin), ("assistant", assistant)):
         model.register_forward_pre_hook(
             lambda _, args, kwargs, name=name: passes[name].append((args[0] if args else kwargs["input_ids"]).shape),
             with_kwargs=True)
-    monkeypatch.setattr(generation, "prompt_reader", lambda model: reader if model is assistant else None)
+    monkeypatch.setattr(generation, "drafting_reader", lambda model: reader if model is assistant else None)
     rows = prompts(5, lengths=(12, 20, 16))
     out = batched(target, rows, ViaSDConfig(use_slim=False, plain_fallback=False), assistant)
     assert_identical_to_generate(target, rows, out)
-    assert passes["reader"] == [torch.Size([3, 20])], "one read of every prompt, padded to the longest"
-    assert len(passes["assistant"]) == out.viasd_stats.drafter_forwards - 1 > 0
-    assert all(shape[1] < 20 for shape in passes["assistant"])
+    assert passes["reader"][0] == torch.Size([3, 20]), "one read of every prompt, padded to the longest"
+    assert all(shape.numel() >= 12 for shape in passes["reader"])
+    assert passes["assistant"] and all(shape.numel() < 12 for shape in passes["assistant"])
+    assert len(passes["reader"]) + len(passes["assistant"]) == out.viasd_stats.drafter_forwards
 
 
 def test_rows_stop_at_their_own_eos_and_leave_the_batch(pair):
@@ -297,7 +301,6 @@ class AtFourteenTokens(StoppingCriteria):
 
 @pytest.mark.parametrize("request_, match", [
     ({"viasd_config": "tiered"}, "mode='tiered'.*batch of 3.*mode='lossless'"),
-    ({"assistant_model": None}, "self-drafter.*assistant_model=.*prompt_lookup_num_tokens"),
     ({"streamer": RecordingStreamer()}, "RecordingStreamer only supports batch size 1"),
     ({"do_sample": True, "num_return_sequences": 2, "viasd_config": "tiered"}, "3 prompts x num_return_sequences=2"),
     ({"output_scores": True}, "does not return scores.*drop output_scores"),

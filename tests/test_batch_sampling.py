@@ -30,7 +30,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaL
 import viasd_hf.engine.batch.drafting as drafting
 from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.drafters import PromptLookupDrafter
-from viasd_hf.engine.batch import BatchedDecoder, batch_drafter
+from viasd_hf.engine.batch import BatchedDecoder, RaggedCache, batch_drafter
 from viasd_hf.engine.sampling import RandomStream
 
 ROWS = [PROMPT, LOOKUP_PROMPT]  # 5 and 7 tokens: the first row is left-padded; the second's bigram recurs
@@ -51,16 +51,20 @@ class FirstToken(LogitsProcessor):
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def sample_batch(models, config: ViaSDConfig, seed: int, lookup: bool, stats: list) -> list[tuple[int, ...]]:
-    """Three new tokens for every row of the batch, the first forced, drawn with the call's seed; each row's last two."""
-    target, drafter, _ = models
+def sample_batch(models, config: ViaSDConfig, seed: int, lookup: bool, stats: list,
+                 self_drafting: bool = False) -> list[tuple[int, ...]]:
+    """Three new tokens for every row of the batch, the first forced, drawn with the call's seed; each row's last two.
+    ``self_drafting``: the target routed with the models' mask drafts instead of the assistant."""
+    target, drafter, routing = models
+    drafter = None if self_drafting else drafter
     ids, mask = left_padded([row[0] for row in ROWS])
     torch.manual_seed(seed)
     forcing = LogitsProcessorList([FirstToken(ids.shape[1]), *processors()])
-    chosen = batch_drafter(drafter, PromptLookupDrafter(3) if lookup else None, forcing, None, frozenset(),
-                           len(ROWS), ids.device)  # fmt: skip
+    cache = RaggedCache(target.config, len(ROWS), ids.device)
+    chosen = batch_drafter(drafter, PromptLookupDrafter(3) if lookup else None, forcing, None, frozenset(), cache,
+                           self_drafting=(target, routing) if self_drafting else None)
     decoder = BatchedDecoder(target, chosen, drafter, config, config.routing_mask if config.use_slim else None,
-                             forcing, StoppingCriteriaList(), ids.shape[1] + 3, len(ROWS),
+                             forcing, StoppingCriteriaList(), ids.shape[1] + 3, cache,
                              RandomStream.from_global_seed(), check_invariants=True)  # fmt: skip
     rows = decoder.run(ids, mask)
     stats.append(decoder.stats)
@@ -68,9 +72,10 @@ def sample_batch(models, config: ViaSDConfig, seed: int, lookup: bool, stats: li
     return [tuple(row.tokens()[-2:]) for row in rows.every_row()]
 
 
-def per_row_tv(models, config: ViaSDConfig, lookup: bool = False) -> tuple[list[float], list]:
+def per_row_tv(models, config: ViaSDConfig, lookup: bool = False,
+               self_drafting: bool = False) -> tuple[list[float], list]:
     stats: list = []
-    draws = [sample_batch(models, config, seed, lookup, stats) for seed in range(N)]
+    draws = [sample_batch(models, config, seed, lookup, stats, self_drafting) for seed in range(N)]
     target = models[0]
     forced = torch.tensor([[FORCED]])
     return [total_variation(Counter(draw[i] for draw in draws),
@@ -96,6 +101,15 @@ def test_batched_lossless_sampling_is_exact_per_row(models, monkeypatch):
     rows = [row for one in stats for row in one.rows]
     assert sum(row.accepted_tokens for row in rows) > 0 and sum(row.drafted_tokens for row in rows) > 0
     assert sum(copied) > 0, "copied drafts (no proposal distribution) were verified beside drawn ones"
+
+
+def test_batched_lossless_sampling_drafted_by_the_self_drafter_is_exact_per_row(models):
+    """The target routed with the mask drafts on the target's own cache, provisionally, for every row at once."""
+    config = ViaSDConfig(mode="lossless", use_slim=False, adaptive=False)
+    distances, stats = per_row_tv(models, config, self_drafting=True)
+    assert max(distances) < TV_BOUND, distances
+    rows = [row for one in stats for row in one.rows]
+    assert sum(row.drafted_tokens for row in rows) > sum(row.accepted_tokens for row in rows) > 0
 
 
 def test_the_per_row_bound_catches_a_proposal_the_drafter_did_not_draw_from(models, monkeypatch):

@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, models
 from torch import nn
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerFast
+from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from conftest import VOCAB, near_copy, tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, generation
@@ -33,6 +33,7 @@ from viasd_hf.models.quantization import (
 from viasd_hf.models.quantization import choice as quantization_choice
 from viasd_hf.models.quantization.measure import time_in_rounds
 from viasd_hf.models.quantization.probe import ruled_out_by_screen
+from viasd_hf.models.quantization.reader import fewest_tokens_for_twin
 
 quantization_measure = importlib.import_module("viasd_hf.models.quantization.measure")  # the package's `measure` is a function
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -309,8 +310,10 @@ def test_a_quantised_drafting_copy_reads_long_prompts_through_its_dequantised_tw
     # the 4-bit CPU kernels need layers at least a quantisation group (64 for bitsandbytes, 128 for torchao) wide
     target = enable_viasd(tiny_causal_lm("llama", seed=0, hidden_size=128, intermediate_size=256))
     drafter = near_copy(target, scale=0.01)
+    monkeypatch.setattr(drafter_precision, "fewest_tokens_for_twin", lambda model, twin: 32)  # measured: this CPU's
     copy = drafter_precision.fastest_form(drafter)
     twin = drafter_precision.prompt_reader(copy)
+    assert drafter_precision.drafting_reader(copy).from_tokens == 32
     assert copy.hf_quantizer is not None
     assert twin is not None and twin is not copy
     quantised = [name for name, module in copy.named_modules() if type(module).__name__ == "Linear4bit"
@@ -333,6 +336,32 @@ def test_a_quantised_drafting_copy_reads_long_prompts_through_its_dequantised_tw
                           return_dict_in_generate=True, **GREEDY)  # fmt: skip
     assert torch.equal(out.sequences, expected) and out.viasd_stats.drafter_forwards > 1
     assert long_passes == [40], "the twin read the prompt, once; the copy drafted"
+
+
+class _Timed(nn.Module):
+    """A model whose pass over n tokens advances ``clock`` by ``fixed + per_token * n`` seconds."""
+
+    def __init__(self, clock: list[float], fixed: float, per_token: float) -> None:
+        super().__init__()
+        self.clock, self.fixed, self.per_token = clock, fixed, per_token
+        self.config = LlamaConfig(vocab_size=VOCAB)
+        self.anchor = nn.Parameter(torch.zeros(1))
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchor.device
+
+    def forward(self, ids: torch.Tensor) -> None:
+        self.clock[0] += self.fixed + self.per_token * ids.numel()
+
+
+@pytest.mark.parametrize("twin_costs, expected", [((5.0, 0.25), 8), ((0.5, 1.0), 2), ((5.0, 1.5), 128)])
+def test_the_twin_runs_the_passes_from_the_fewest_tokens_it_was_timed_faster(twin_costs, expected):
+    """A 4-bit model's pass costs 1 + n (a kernel that unpacks per token); its twin 5 + n/4 is faster from 8 tokens on
+    (sizes 2, 4, 8, ...), one faster everywhere from the fewest size, one never faster only for twice the largest."""
+    clock = [0.0]
+    quantised, twin = _Timed(clock, 1.0, 1.0), _Timed(clock, *twin_costs)
+    assert fewest_tokens_for_twin(quantised, twin, clock=lambda: clock[0]) == expected
 
 
 def test_a_tiny_model_in_memory_is_measured_in_a_quantised_form_from_one_saved_copy(home):

@@ -40,8 +40,8 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import StaticCosts
 from viasd_hf.control.hybrid_choice import CopyOrDraft
 from viasd_hf.drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
-from viasd_hf.drafters.precision import drafter_for_call, prompt_reader
-from viasd_hf.engine.batch import BatchedDecoder, batch_drafter, check_batch_supported
+from viasd_hf.drafters.precision import drafter_for_call, drafting_reader
+from viasd_hf.engine.batch import BatchedDecoder, RaggedCache, batch_drafter, check_batch_supported
 from viasd_hf.engine.kv_cache import new_cache
 from viasd_hf.engine.loop import ViaSDDecoder
 from viasd_hf.engine.preconditions import check_supported, check_takes_cache
@@ -140,7 +140,7 @@ def build_drafter(
     assistant = AssistantDrafter(
         assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
         inputs=target_cache.inputs, head=head, context=config.drafter_context, end_tokens=ends,
-        reader=prompt_reader(assistant_model),
+        reader=drafting_reader(assistant_model),
     )
     if lookup is None:
         return assistant
@@ -285,12 +285,17 @@ def generate_batch(
         slim_mask = slim_mask.default_mask if isinstance(slim_mask, MaskSet) else slim_mask
     prompt_mask = model_kwargs.get("attention_mask")
     prompt_mask = torch.ones_like(input_ids) if prompt_mask is None else prompt_mask
-    chosen = batch_drafter(drafter, prompt_lookup(model, generation_config, logits_processor), logits_processor,
-                           config.draft_confidence_threshold, end_tokens(generation_config), input_ids.shape[0],
-                           input_ids.device, prompt_reader(drafter) if drafter is not None else None)
+    target_cache = RaggedCache(model.config, input_ids.shape[0], input_ids.device)
+    lookup = prompt_lookup(model, generation_config, logits_processor)
+    self_drafting = None
+    if drafter is None and lookup is None:
+        self_drafting = (model, resolve_mask(config.self_draft_mask, model, "self-drafter"))
+    chosen = batch_drafter(drafter, lookup, logits_processor, config.draft_confidence_threshold,
+                           end_tokens(generation_config), target_cache,
+                           drafting_reader(drafter) if drafter is not None else None, self_drafting)
     rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
     decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, logits_processor, stopping_criteria,
-                             generation_config.max_length, input_ids.shape[0], rng, check_invariants)
+                             generation_config.max_length, target_cache, rng, check_invariants)
     rows = decoder.run(input_ids, prompt_mask)
     pad = generation_config._pad_token_tensor
     sequences = rows.sequences(None if pad is None else int(pad.flatten()[0]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -108,13 +109,19 @@ class _ModelDrafter:
         return draft
 
 
-LONG_READ = 32  # tokens in a pass (all rows together) from which a drafter's reader runs it; below, 4 bits are as fast
+@dataclass(frozen=True)
+class Reader:
+    """A quantised drafting copy's twin, the same weights dequantised (``models.quantization.reader``), and the fewest
+    tokens of a pass (all rows together) it was measured to run faster than the copy."""
+
+    twin: nn.Module
+    from_tokens: int
 
 
-def reading_model(model: nn.Module, reader: nn.Module | None, tokens: int) -> nn.Module:
-    """The model a drafter's pass over ``tokens`` tokens runs through: its reader (the same model, faster on long
-    passes: ``models.quantization.reader``) where it has one and the pass is long."""
-    return reader if reader is not None and tokens >= LONG_READ else model
+def reading_model(model: nn.Module, reader: Reader | None, tokens: int) -> nn.Module:
+    """The model a drafter's pass over ``tokens`` tokens (all rows together) runs through: its reader's twin where
+    it has one and the pass is as long as the twin runs faster from, else the model."""
+    return reader.twin if reader is not None and tokens >= reader.from_tokens else model
 
 
 class AssistantDrafter(_ModelDrafter):
@@ -137,7 +144,7 @@ class AssistantDrafter(_ModelDrafter):
         head: SubsetHead | None = None,
         context: int | None = None,
         end_tokens: frozenset[int] = frozenset(),
-        reader: nn.Module | None = None,
+        reader: Reader | None = None,
     ) -> None:
         super().__init__(logits_processor, confidence_threshold, do_sample, head, end_tokens)
         self.model = model

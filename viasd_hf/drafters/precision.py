@@ -13,8 +13,8 @@ per drafter is kept while the drafter lives, so the conversion is paid once and 
 a drafter whose weights change afterwards keeps its first copy, so pass ``"as_loaded"`` for one that
 is still being trained. The user's model is never changed. Tiered mode, sampling and ``"as_loaded"``
 draft with the model as given: there the drafter's distribution shapes the output. A quantised copy reads
-prompts through its twin with the same weights dequantised (``prompt_reader``,
-:mod:`viasd_hf.models.quantization.reader`), made with the copy.
+prompts, and any pass over as many tokens as its twin was measured faster from, through that twin with the
+same weights dequantised (``drafting_reader``, :mod:`viasd_hf.models.quantization.reader`), made with the copy.
 """
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ import weakref
 from torch import nn
 
 from viasd_hf.config import ViaSDConfig
+from viasd_hf.drafters.model import Reader
 from viasd_hf.models.quantization import UNQUANTIZED
 from viasd_hf.models.quantization.choice import resolve_drafting_form
 from viasd_hf.models.quantization.measure import converted
-from viasd_hf.models.quantization.reader import dequantized_twin
+from viasd_hf.models.quantization.reader import dequantized_twin, fewest_tokens_for_twin
 from viasd_hf.models.quantization.schemes import Scheme
 
 _COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module | None] = weakref.WeakKeyDictionary()  # None: drafts as is
-_READERS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # a copy's prompt reader
+_READERS: weakref.WeakKeyDictionary[nn.Module, Reader] = weakref.WeakKeyDictionary()  # a copy's twin, measured
 _LOCK = threading.Lock()
 
 
@@ -60,7 +61,7 @@ def fastest_form(drafter: nn.Module) -> nn.Module:
             made = None if form is None or in_form(drafter, form) else converted(drafter, form)
             reader = dequantized_twin(made) if made is not None else None  # before a first pass packs its weights
             if reader is not None:
-                _READERS[made] = reader
+                _READERS[made] = Reader(reader, fewest_tokens_for_twin(made, reader))
             _COPIES[drafter] = made
         copy = _COPIES[drafter]
     return drafter if copy is None else copy
@@ -71,11 +72,18 @@ def in_form(drafter: nn.Module, form: Scheme) -> bool:
     return form.name in UNQUANTIZED and form.dtype == drafter.dtype
 
 
-def prompt_reader(model: nn.Module) -> nn.Module | None:
-    """The twin through which a quantised drafting copy made here reads prompts (the same weights, dequantised);
+def drafting_reader(model: nn.Module) -> Reader | None:
+    """The twin through which a quantised drafting copy made here runs its long passes (the same weights,
+    dequantised) and the fewest tokens it runs faster, as measured when it was made (``fewest_tokens_for_twin``);
     None for any other model."""
     with _LOCK:
         return _READERS.get(model)
+
+
+def prompt_reader(model: nn.Module) -> nn.Module | None:
+    """The twin of :func:`drafting_reader`, or None."""
+    reader = drafting_reader(model)
+    return reader.twin if reader is not None else None
 
 
 def drafting_copy(drafter: nn.Module) -> nn.Module | None:

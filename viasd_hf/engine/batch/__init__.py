@@ -3,7 +3,7 @@
 - ``loop``: the decode loop, one short step per decision of the paper's algorithm;
 - ``ragged_cache``: one rectangular KV cache per model, each row ragged inside it (the scheme, and why);
 - ``acceptance``: each row verified on its own by the single-sequence rules;
-- ``drafting``: the assistant model, prompt lookup and the two together, for every row at once;
+- ``drafting``: the assistant model, prompt lookup, the two together and the self-drafter, for every row at once;
 - ``rows``: each prompt's committed sequence, its stopping criteria and the padded output;
 - ``stats``: totals and one ``ViaSDStats`` per row;
 - ``preconditions``: what a batch may ask for, and the reason and fix for the rest.
@@ -12,6 +12,7 @@
 from viasd_hf.engine.batch.drafting import batch_drafter
 from viasd_hf.engine.batch.loop import BatchedDecoder
 from viasd_hf.engine.batch.preconditions import check_batch_supported
+from viasd_hf.engine.batch.ragged_cache import RaggedCache
 from viasd_hf.engine.batch.stats import BatchViaSDStats
 
-__all__ = ["BatchViaSDStats", "BatchedDecoder", "batch_drafter", "check_batch_supported"]
+__all__ = ["BatchViaSDStats", "BatchedDecoder", "RaggedCache", "batch_drafter", "check_batch_supported"]

@@ -1,4 +1,5 @@
-"""Drafters for a batch: an assistant model on a ragged cache of its own, prompt lookup per row, and the two together.
+"""Drafters for a batch: an assistant model on a ragged cache of its own, prompt lookup per row, the two together, and
+the self-drafter (the target routed) on the target's cache.
 
 Each block drafts for every row at once. The block has one length, the longest any row drafts:
 each row drafts until its own stop (its length limit, an end token, or, without a draft planner,
@@ -24,11 +25,13 @@ from viasd_hf.drafters import (
     drafted_token,
     kept_prefix,
 )
-from viasd_hf.drafters.model import reading_model
+from viasd_hf.drafters.model import Reader, reading_model
 from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
 from viasd_hf.engine.sampling import RandomStream
+from viasd_hf.masks.layer_skipping import skipping
+from viasd_hf.masks.routing_mask import RoutingMask
 
 # each row's draft confidences so far and whether the row may go on -> does the batch draft one more column?
 KeepDraftingRows = Callable[[list[list[float]], list[bool]], bool]
@@ -57,6 +60,7 @@ class BatchDraft:
 
 class BatchDrafter(Protocol):
     name: str
+    reads: bool  # whether it reads the rows into a cache of its own before its first draft (``read``)
 
     def read(self, rows: Rows) -> int:
         """Read what each active row committed and it has not read, but the row's newest token (which opens the next
@@ -81,51 +85,26 @@ class BatchDrafter(Protocol):
         """How often its cache was compacted."""
 
 
-class BatchAssistant:
-    """An assistant model drafting for every row in one pass per token, on a ``RaggedCache`` of its own.
+class _BatchModelDrafting:
+    """Drafting with a causal LM for every row at once, one batched pass per drafted token; subclasses say which model
+    runs on which cache (``_pass``)."""
 
-    ``fed[r]`` lists the tokens of row ``r`` the cache holds, in order: its committed tokens, then the
-    drafts fed since. After a block, the drafts the row did not commit are forgotten
-    (``RaggedCache.forget_last``); the newest committed token is always fed with the next draft.
-    """
+    logits_processor: LogitsProcessorList
+    confidence_threshold: float | None
+    end_tokens: frozenset[int]
 
-    name = "assistant"
+    def _pass(self, feeds: list[list[int]]) -> torch.Tensor:
+        """Run every row's ``feeds``; the logits of each row's newest real column, ``[rows, vocab]``."""
+        raise NotImplementedError
 
-    def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None,
-                 end_tokens: frozenset[int], rows: int, device: torch.device, reader: nn.Module | None = None) -> None:
-        self.model = model
-        self.reader = reader  # the same model for reading the prompts (a quantised copy's dequantised twin), if any
-        self.logits_processor = logits_processor
-        self.confidence_threshold = confidence_threshold
-        self.end_tokens = end_tokens
-        self.cache = RaggedCache(model.config, rows, device)
-        self.fed: list[list[int]] = [[] for _ in range(rows)]
-
-    @torch.no_grad()
-    def read(self, rows: Rows) -> int:
-        feeds = [row.tokens()[len(fed) : -1] for row, fed in zip(rows.active, self.fed)]
-        if not any(feeds):
-            return 0
-        tokens, real = right_padded(feeds, self.cache.mask.device)
-        self.cache.run(reading_model(self.model, self.reader, tokens.numel()), tokens, real, keep=1)
-        for fed, feed in zip(self.fed, feeds):
-            fed.extend(feed)
-        return 1
-
-    @torch.no_grad()
-    def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
-              keep_drafting: KeepDraftingRows | None) -> BatchDraft:
-        """One pass per drafted token for all rows; the first also feeds what each row committed since its last."""
-        feeds = [row.tokens()[len(fed) :] for row, fed in zip(rows.active, self.fed)]
+    def _drafted(self, rows: Rows, feeds: list[list[int]], limits: list[int], rng: RandomStream | None,
+                 keep_drafting: KeepDraftingRows | None) -> BatchDraft:
+        """Up to ``limits[r]`` tokens after row ``r``'s ``feeds`` (what it has not fed yet), one pass per column."""
         draft = BatchDraft.empty(len(feeds))
         drafting = [limit > 0 for limit in limits]
         while any(drafting):
-            tokens, real = right_padded(feeds, self.cache.mask.device)
-            logits = self.cache.run(self.model, tokens, real, keep=tokens.shape[1])
+            last = self._pass(feeds)
             draft.forwards += 1
-            for fed, feed in zip(self.fed, feeds):
-                fed.extend(feed)
-            last = logits[torch.arange(len(feeds)), real.sum(-1) - 1]  # each row's newest real column
             for i, row in enumerate(rows.active):
                 if drafting[i]:
                     drafting[i] = self._next(row, last[i : i + 1], draft.rows[i], limits[i], rng, keep_drafting is None)
@@ -153,6 +132,61 @@ class BatchAssistant:
             return True
         return self.confidence_threshold is None or draft.confidences[-1] >= self.confidence_threshold
 
+
+def newest_columns(logits: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Each row's logits at its last real column (``logits``: ``[rows, columns, vocab]``)."""
+    return logits[torch.arange(logits.shape[0], device=logits.device), real.sum(-1) - 1]
+
+
+class BatchAssistant(_BatchModelDrafting):
+    """An assistant model drafting for every row in one pass per token, on a ``RaggedCache`` of its own.
+
+    ``fed[r]`` lists the tokens of row ``r`` the cache holds, in order: its committed tokens, then the
+    drafts fed since. After a block, the drafts the row did not commit are forgotten
+    (``RaggedCache.forget_last``); the newest committed token is always fed with the next draft.
+    """
+
+    name = "assistant"
+    reads = True
+
+    def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None,
+                 end_tokens: frozenset[int], rows: int, device: torch.device, reader: Reader | None = None) -> None:
+        self.model = model
+        self.reader = reader  # the same model for long passes (a quantised copy's dequantised twin), if any
+        self.logits_processor = logits_processor
+        self.confidence_threshold = confidence_threshold
+        self.end_tokens = end_tokens
+        self.cache = RaggedCache(model.config, rows, device)
+        self.fed: list[list[int]] = [[] for _ in range(rows)]
+
+    @torch.no_grad()
+    def read(self, rows: Rows) -> int:
+        feeds = [row.tokens()[len(fed) : -1] for row, fed in zip(rows.active, self.fed)]
+        if not any(feeds):
+            return 0
+        tokens, real = right_padded(feeds, self.cache.mask.device)
+        self.cache.run(reading_model(self.model, self.reader, tokens.numel()), tokens, real, keep=1)
+        for fed, feed in zip(self.fed, feeds):
+            fed.extend(feed)
+        return 1
+
+    @torch.no_grad()
+    def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
+              keep_drafting: KeepDraftingRows | None) -> BatchDraft:
+        """One pass per drafted token for all rows; the first also feeds what each row committed since its last."""
+        feeds = [row.tokens()[len(fed) :] for row, fed in zip(rows.active, self.fed)]
+        return self._drafted(rows, feeds, limits, rng, keep_drafting)
+
+    def _pass(self, feeds: list[list[int]]) -> torch.Tensor:
+        """A block's first pass feeds every row what it committed since its last draft: through the reader where that
+        is as many tokens as the reader runs faster."""
+        tokens, real = right_padded(feeds, self.cache.mask.device)
+        model = reading_model(self.model, self.reader, tokens.numel())
+        logits = self.cache.run(model, tokens, real, keep=tokens.shape[1])
+        for fed, feed in zip(self.fed, feeds):
+            fed.extend(feed)
+        return newest_columns(logits, real)
+
     def commit(self, rows: Rows) -> None:
         forget = []
         for row, fed in zip(rows.active, self.fed):
@@ -173,10 +207,57 @@ class BatchAssistant:
         return self.cache.compactions
 
 
+class BatchSelfDrafter(_BatchModelDrafting):
+    """The target itself under a heavier routing mask (``SelfDrafter``'s), drafting for every row at once on the
+    target's own ``RaggedCache``: its passes are provisional, so the cache is as before once the draft is made. It
+    has nothing of its own to read, forget or compact: the decoder keeps the target's cache."""
+
+    name = "self"
+    reads = False
+    compactions = 0
+
+    def __init__(self, model: nn.Module, mask: RoutingMask, target: RaggedCache, logits_processor: LogitsProcessorList,
+                 confidence_threshold: float | None, end_tokens: frozenset[int]) -> None:
+        mask.validate_for(model)
+        self.model = model
+        self.skipped = mask.skipped_layers
+        self.target = target
+        self.logits_processor = logits_processor
+        self.confidence_threshold = confidence_threshold
+        self.end_tokens = end_tokens
+
+    def read(self, rows: Rows) -> int:
+        return 0
+
+    @torch.no_grad()
+    def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
+              keep_drafting: KeepDraftingRows | None) -> BatchDraft:
+        """The first pass feeds each row's committed tokens the target's cache lacks (its newest; in tiered mode also
+        those the slim tier committed), then one pass per drafted token."""
+        held = self.target.lengths().tolist()
+        feeds = [row.tokens()[count:] for row, count in zip(rows.active, held)]
+        with self.target.provisional(), skipping(self.model, self.skipped):
+            return self._drafted(rows, feeds, limits, rng, keep_drafting)
+
+    def _pass(self, feeds: list[list[int]]) -> torch.Tensor:
+        tokens, real = right_padded(feeds, self.target.mask.device)
+        return newest_columns(self.target.run(self.model, tokens, real, keep=tokens.shape[1]), real)
+
+    def commit(self, rows: Rows) -> None:
+        """Nothing to forget: the provisional writes were cropped when drafting ended."""
+
+    def select(self, staying: torch.Tensor) -> None:
+        """The decoder selects the target's cache."""
+
+    def tidy(self) -> None:
+        """The decoder compacts the target's cache."""
+
+
 class BatchLookup:
     """Prompt lookup, row by row: each row copies from its own sequence (without its padding); nothing is cached."""
 
     name = "prompt_lookup"
+    reads = False
 
     def __init__(self, lookup: PromptLookupDrafter) -> None:
         self.lookup = lookup
@@ -206,6 +287,7 @@ class BatchHybrid:
     passes run only when some row has nothing to copy (and then feed every row what it committed)."""
 
     name = "hybrid"
+    reads = True
 
     def __init__(self, lookup: BatchLookup, assistant: BatchAssistant) -> None:
         self.lookup = lookup
@@ -240,11 +322,19 @@ class BatchHybrid:
 
 def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter | None,
                   logits_processor: LogitsProcessorList, confidence_threshold: float | None, end_tokens: frozenset[int],
-                  rows: int, device: torch.device, reader: nn.Module | None = None) -> BatchDrafter:
+                  target: RaggedCache, reader: Reader | None = None,
+                  self_drafting: tuple[nn.Module, RoutingMask] | None = None) -> BatchDrafter:
     """The assistant model (reading the prompts through ``reader`` where there is one), prompt lookup (``lookup``, as
-    a single sequence would copy), or both."""
+    a single sequence would copy), or both; without either, the target routed with its self-drafting mask
+    (``self_drafting``: the model and the mask) on its cache ``target``."""
     batch_lookup = BatchLookup(lookup) if lookup is not None else None
     if assistant_model is None:
-        return batch_lookup
+        if batch_lookup is not None:
+            return batch_lookup
+        if self_drafting is None:
+            raise ValueError("a batch needs a drafter: assistant_model=..., prompt_lookup_num_tokens=... or "
+                             "ViaSDConfig(self_draft_mask=...)")
+        return BatchSelfDrafter(*self_drafting, target, logits_processor, confidence_threshold, end_tokens)
+    rows, device = target.mask.shape[0], target.mask.device
     assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device, reader)
     return assistant if batch_lookup is None else BatchHybrid(batch_lookup, assistant)

@@ -60,10 +60,11 @@ class BatchedDecoder:
 
     def __init__(self, model: nn.Module, drafter: BatchDrafter, drafter_model: nn.Module | None, config: ViaSDConfig,
                  slim_mask: RoutingMask | None, logits_processor: LogitsProcessorList,
-                 stopping_criteria: StoppingCriteriaList, max_length: int, batch_size: int,
+                 stopping_criteria: StoppingCriteriaList, max_length: int, target: RaggedCache,
                  rng: RandomStream | None = None, check_invariants: bool = False) -> None:
         self.model = model
         self.drafter = drafter
+        self.target = target  # the target's cache, empty until ``run`` (the self-drafter drafts on it too)
         self.config = config
         self.skipped = slim_mask.skipped_layers if slim_mask is not None else None
         self.logits_processor = logits_processor
@@ -75,7 +76,7 @@ class BatchedDecoder:
         sampling = rng is not None
         self.stats = BatchViaSDStats()
         # a pass over B rows costs differently from a single sequence's, and from one over another number of rows
-        key = (drafter.name, id(drafter_model), "batch", batch_size)
+        key = (drafter.name, id(drafter_model), "batch", target.mask.shape[0])
         chooses_tier = config.adaptive and slim_mask is not None
         self.controller = tier_choice(model, slim_mask, key, config, sampling) if chooses_tier else None
         self.planner_key = planner_key(key, slim_mask, config, sampling) if config.adaptive else None
@@ -88,14 +89,12 @@ class BatchedDecoder:
         self._first_tier_switch = len(self.controller.switches) if self.controller is not None else 0
         self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
         self.rows: Rows
-        self.target: RaggedCache
         self.drafter_read = DrafterRead(self.switch)  # the drafter reads the prompts before its first draft
 
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
         """Decode every row of ``input_ids`` (left-padded as ``prompt_mask`` says) until each one stops."""
         started = time.perf_counter()
         self.rows = Rows(input_ids, prompt_mask, self.stopping_criteria, self.max_length)
-        self.target = RaggedCache(self.model.config, input_ids.shape[0], input_ids.device)
         with fastest_attention(steers_attention(self.config, self.rng is not None)):
             self.open(input_ids, prompt_mask)
             self.leave()
@@ -124,7 +123,7 @@ class BatchedDecoder:
     def unread_tokens(self) -> int:
         """The columns the drafter's read would compute: every row's tokens it has not read, the newest but one, padded
         to the longest."""
-        if self.drafter_read.done:
+        if self.drafter_read.done or not self.drafter.reads:
             return 0
         return len(self.rows) * max(row.length - row.padding - 1 for row in self.rows.active)
 

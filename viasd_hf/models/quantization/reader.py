@@ -7,12 +7,17 @@ Qwen2.5-Coder 0.5B read 256 tokens in 0.90 s where its bf16 model took 0.65 s (A
 two threads); torchao's int4 copy read eight HumanEval prompts (8 × 170 tokens) in 7.2–7.5 s where the bf16
 model took 1.8 s (Intel Xeon with AMX; ``bench/studies/batch_read``). A drafter reads every prompt once per
 call (B of them in a batch) before it drafts, so a quantised drafting copy reads through its twin
-(``dequantized_twin``) the passes over ``drafters.model.LONG_READ`` tokens and more: the same module tree,
+(``dequantized_twin``) the passes over enough tokens: the same module tree,
 each quantised linear layer replaced by a plain linear layer holding its weights dequantised, every other
 module shared. The twin computes the model the quantised one computes (up to the rounding of a product), so
 the cache it fills is the one the quantised model would have filled; a read by the bf16 model the copy was
 made from (other weights) made the drafts worse (docs/results.md, "Batches on a Zen4"). The twin costs the
 dequantised weights' memory: 2 bytes per weight of the linear layers, about 0.7 GB for a 0.5B drafter.
+
+Where the twin starts to pay is the machine's: torchao's int4 Qwen2.5-Coder 0.5B ran a pass over 8 tokens (8 rows
+of one) in 104 ms and its twin in 123 ms, over 16 tokens (4 rows of 4) in 181 ms against 143 ms (Intel Xeon with
+AMX, two threads). A batch's drafting pass that feeds each row what it committed since its last draft carries
+tens of tokens, so it is measured once where the twin is made (``fewest_tokens_for_twin``), not assumed.
 
 Two kinds of quantised layer are dequantised: bitsandbytes' ``Linear4bit``, by bitsandbytes' own
 ``dequantize_4bit`` (before a first pass packs its weights for the CPU kernel), and a linear layer
@@ -23,6 +28,9 @@ computes the weights, as the product of the identity matrix with them.
 from __future__ import annotations
 
 import copy
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +56,42 @@ def dequantized_twin(model: nn.Module) -> nn.Module | None:
         return made
 
     return twin(model)
+
+
+READ_SIZES = (2, 4, 8, 16, 32, 64)  # tokens per pass timed for the twin and the quantised model, fewest first
+
+
+@torch.no_grad()
+def fewest_tokens_for_twin(model: nn.Module, twin: nn.Module, sizes: tuple[int, ...] = READ_SIZES,
+                           clock: Callable[[], float] = time.perf_counter) -> int:
+    """The fewest of ``sizes`` (tokens a pass carries, one sequence of them) from which ``twin`` runs a pass at least as
+    fast as the quantised ``model`` on this machine; twice the largest where it never does (a prompt's read). Each
+    size is timed on both, the median of three passes after a warm-up, starting from the middle size and walking
+    down while the twin wins or up until it does (the twin's advantage grows with the tokens)."""
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, max(sizes)), generator=torch.Generator().manual_seed(0)).to(model.device)
+
+    def median_seconds(module: nn.Module, tokens: int) -> float:
+        module(ids[:, :tokens])  # warm-up: the first pass of a shape pays the kernels' setup
+        times = []
+        for _ in range(3):
+            started = clock()
+            module(ids[:, :tokens])
+            times.append(clock() - started)
+        return statistics.median(times)
+
+    def twin_wins(index: int) -> bool:
+        return median_seconds(twin, sizes[index]) <= median_seconds(model, sizes[index])
+
+    index = len(sizes) // 2
+    if twin_wins(index):
+        while index > 0 and twin_wins(index - 1):
+            index -= 1
+        return sizes[index]
+    for index in range(index + 1, len(sizes)):
+        if twin_wins(index):
+            return sizes[index]
+    return 2 * max(sizes)
 
 
 @torch.no_grad()
