@@ -291,6 +291,56 @@ def test_a_pipeline_with_a_batch_size_decodes_each_batch_with_viasd():
     assert max(rows_per_pass[model]) == max(rows_per_pass[assistant]) == 2, "VIA-SD drafted and verified two at once"
 
 
+# -- tiered mode -----------------------------------------------------------------------------------------------------
+
+
+def test_tiered_rows_commit_on_the_slim_tiers_authority_and_the_full_model_catches_up(pair):
+    """A routing mask that skips no layer makes the slim verifier the full model, so every token it commits on its own
+    authority is the full model's greedy choice: each tiered row is its prompt's greedy ``generate`` while the slim
+    tier commits tokens the target's cache takes only at the full model's next pass (a catch-up, at most
+    ``max_slim_backlog`` tokens later, or an escalation)."""
+    target, assistant = pair
+    rows = prompts(4, lengths=(7, 12, 9))
+    config = ViaSDConfig(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[]), tau_accept=1.0, max_slim_backlog=6,
+                         adaptive=False)
+    out = batched(target, rows, config, assistant)
+    generated = assert_identical_to_generate(target, rows, out)
+    stats = out.viasd_stats
+    assert stats.committed_by["slim"] > 0 and stats.slim_accepted_tokens > 0, "the slim tier committed drafts and tokens"
+    assert 0 < stats.full_forwards < stats.blocks, "blocks the slim tier decided took no full pass"
+    assert sum(row.catch_up_blocks for row in stats.rows) > 0
+    assert max(row.peak_slim_backlog for row in stats.rows) <= 6
+    for row, new_tokens in zip(stats.rows, generated):
+        assert_stats_consistent(row, new_tokens, "tiered", stopped_inside_block=True)
+
+
+def test_tiered_rows_escalating_every_draft_are_lossless(pair):
+    """τ_acc = τ_esc = 1: the slim tier escalates every draft, so the full model decides every block."""
+    target, assistant = pair
+    rows = prompts(6, lengths=(9, 5, 11))
+    config = ViaSDConfig(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[2]), tau_accept=1.0,
+                         tau_escalate=1.0, adaptive=False)
+    out = batched(target, rows, config, assistant)
+    generated = assert_identical_to_generate(target, rows, out)
+    for row, new_tokens in zip(out.viasd_stats.rows, generated):
+        assert_stats_consistent(row, new_tokens, "tiered", stopped_inside_block=True)
+        assert row.slim_committed_tokens == 0 and row.slim_forwards == row.escalated_blocks > 0
+
+
+def test_tiered_sampling_of_a_batch_is_reproducible_and_the_slim_tier_commits(pair):
+    target, assistant = pair
+    rows = prompts(8, lengths=(7, 10))
+    config = ViaSDConfig(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[2]), adaptive=False,
+                         self_draft_mask=RoutingMask.from_model(target, skip=[1, 2]))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(batched(target, rows, config, None, do_sample=True, temperature=0.9))
+    assert torch.equal(runs[0].sequences, runs[1].sequences), "one seed, one output"
+    stats = runs[0].viasd_stats
+    assert stats.committed_by["slim"] > 0 and stats.drafted_tokens > 0
+
+
 # -- what a batch does not do, refused with the fix -----------------------------------------------------------------
 
 
@@ -300,9 +350,9 @@ class AtFourteenTokens(StoppingCriteria):
 
 
 @pytest.mark.parametrize("request_, match", [
-    ({"viasd_config": "tiered"}, "mode='tiered'.*batch of 3.*mode='lossless'"),
     ({"streamer": RecordingStreamer()}, "RecordingStreamer only supports batch size 1"),
-    ({"do_sample": True, "num_return_sequences": 2, "viasd_config": "tiered"}, "3 prompts x num_return_sequences=2"),
+    ({"do_sample": True, "num_return_sequences": 2, "viasd_config": "drafter_context"},
+     "3 prompts x num_return_sequences=2"),
     ({"output_scores": True}, "does not return scores.*drop output_scores"),
     ({"output_logits": True}, "does not return logits"),
     ({"viasd_config": "drafter_context"}, "drafter_context=None"),

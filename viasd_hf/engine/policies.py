@@ -167,7 +167,7 @@ def takes_runner_up(draft: Draft, verdict: Verdict) -> bool:
 def tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:
     """The paper's block: the slim tier commits on its own authority unless it escalates a draft."""
     view = tiers.slim.score(state, draft.tokens)
-    verdict = _slim_walk(tiers, view, draft)
+    verdict = slim_walk(tiers.rules, view, draft)
     if verdict is None:
         return _after_slim_pass(two_tier(tiers, state, draft), view, escalated=True)
     if verdict.escalated:
@@ -183,7 +183,7 @@ def shadow_tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResu
     the slim tier this way while it is off) without a token of the output being the slim tier's.
     """
     view = tiers.slim.score(state, draft.tokens)
-    verdict = _slim_walk(tiers, view, draft)
+    verdict = slim_walk(tiers.rules, view, draft)
     if verdict is None:  # as in ``tiered``: this block would have escalated
         return _after_slim_pass(two_tier(tiers, state, draft), view, slim_would_commit=0)
     probe = tiers.probed(state, draft)
@@ -192,12 +192,24 @@ def shadow_tiered(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResu
     return _after_slim_pass(block, view, draft, draft, probe, slim_would_commit=would_commit)
 
 
-def _slim_walk(tiers: Tiers, view: TierLogits, draft: Draft) -> Verdict | None:
+def slim_walk(rules: VerificationRules, view: TierLogits, draft: Draft) -> Verdict | None:
     """The slim tier's verdict on ``draft`` in tiered mode; ``None`` when a draft vocabulary the processors rule
     out leaves it nothing to vouch with (the block escalates, and there is no choice to compare)."""
     if not view.every_row_has_a_choice:
         return None
-    return accept_prefix(draft, tiers.rules.slim(view), tiers.rules.slim_escalates(view))
+    return accept_prefix(draft, rules.slim(view), rules.slim_escalates(view))
+
+
+def after_slim_walk(block: BlockResult, view: TierLogits, draft: Draft, verdict: Verdict | None,
+                    shadow: bool) -> BlockResult:
+    """The full model's ``block`` on a ``draft`` the slim tier walked first (``view``, ``verdict``), recorded as
+    ``tiered`` records an escalated block or, for a ``shadow`` probe, as ``shadow_tiered`` does. A batch's row
+    escalates with the batch: the full pass one row's escalation asked for decides every row."""
+    if verdict is None:
+        return _after_slim_pass(block, view, **({"slim_would_commit": 0} if shadow else {"escalated": True}))
+    if shadow:
+        return _after_slim_pass(block, view, draft, draft, slim_would_commit=0 if verdict.escalated else verdict.kept + 1)
+    return _after_slim_pass(block, view, draft, draft, escalated=True)
 
 
 def lossless(tiers: Tiers, state: DecodingState, draft: Draft) -> BlockResult:

@@ -1,4 +1,5 @@
-"""Batched VIA-SD: lossless greedy decoding of a batch of left-padded prompts at once (docs/design.md, "Batches").
+"""Batched VIA-SD: a batch of left-padded prompts decoded at once, lossless or tiered, greedily or sampling
+(docs/design.md, "Batches").
 
 - ``loop``: the decode loop, one short step per decision of the paper's algorithm;
 - ``ragged_cache``: one rectangular KV cache per model, each row ragged inside it (the scheme, and why);

@@ -1,8 +1,10 @@
 """Acceptance per row: each row of a batched pass is verified on its own, by the single-sequence rules.
 
-A batched verifying pass returns logits ``[rows, columns, vocab]``. Row ``r`` fed its newest
-committed token and then its draft, so its first ``len(draft) + 1`` columns score the draft: column
-``j`` says what follows the committed tokens and ``draft[:j]``. Each row then walks its own draft
+A batched verifying pass returns logits ``[rows, columns, vocab]``. Row ``r`` fed its unprocessed
+committed tokens (its newest; in tiered mode also those the slim tier committed since the full
+model's last pass) and then its draft, so the ``len(draft) + 1`` columns from its newest committed
+token on score the draft (``row_view`` is handed them): column ``j`` of them says what follows the
+committed tokens and ``draft[:j]``. Each row then walks its own draft
 as a lossless block of one sequence does (``policies.lossless``, whose steps these are), greedily
 or, where sampling, by rejection sampling against the distributions its draft was drawn from: the slim
 verifier may repair one draft, dropping those after it (``policies.slim_repair``); the full model

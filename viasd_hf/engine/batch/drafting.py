@@ -234,8 +234,7 @@ class BatchSelfDrafter(_BatchModelDrafting):
               keep_drafting: KeepDraftingRows | None) -> BatchDraft:
         """The first pass feeds each row's committed tokens the target's cache lacks (its newest; in tiered mode also
         those the slim tier committed), then one pass per drafted token."""
-        held = self.target.lengths().tolist()
-        feeds = [row.tokens()[count:] for row, count in zip(rows.active, held)]
+        feeds = [row.unprocessed() for row in rows.active]
         with self.target.provisional(), skipping(self.model, self.skipped):
             return self._drafted(rows, feeds, limits, rng, keep_drafting)
 

@@ -1,12 +1,14 @@
-"""The batched VIA-SD decode loop (lossless, greedy or sampling): every row of a left-padded batch decodes at once.
+"""The batched VIA-SD decode loop (lossless or tiered, greedy or sampling): every row of a left-padded batch decodes
+at once.
 
 One block, as in the paper's algorithm, for all rows together:
 
 1. ``draft``: the drafter proposes up to γ tokens for every row (``drafting``);
 2. ``repair``: where the slim tier runs, the target routed with the slim mask scores every row's
    draft in one provisional pass, and each row's first draft it would not keep is replaced by its
-   own token (``policies.slim_repair``);
-3. ``verify``: one full pass scores every row's newest committed token and (repaired) draft; each
+   own token (``policies.slim_repair``); in tiered mode the slim tier instead decides the block when
+   no row is unsure of a draft (``slim_decides``), else the block escalates as a whole;
+3. ``verify``: one full pass scores every row's unprocessed committed tokens and (repaired) draft; each
    row keeps the prefix the full model agrees with and gets the full model's token after it, so rows
    keep different numbers of tokens (``acceptance.full_verdict``; ``ragged_cache`` holds the rest as holes);
 4. ``commit``: each row's tokens one at a time, until its own stopping criteria (``rows``);
@@ -45,7 +47,10 @@ from viasd_hf.engine.policies import (
     BlockResult,
     SlimRepair,
     VerificationRules,
+    after_slim_walk,
+    decided,
     slim_repair,
+    slim_walk,
 )
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.state import CacheInvariantError
@@ -73,6 +78,7 @@ class BatchedDecoder:
         self.check_invariants = check_invariants
         self.rng = rng  # every random draw of a sampling call; None: greedy
         self.rules = VerificationRules(config, rng)
+        self.tiered = config.mode == "tiered"
         sampling = rng is not None
         self.stats = BatchViaSDStats()
         # a pass over B rows costs differently from a single sequence's, and from one over another number of rows
@@ -115,7 +121,9 @@ class BatchedDecoder:
         self.drafter_read.observe_prefill(seconds, prompt_mask.numel())  # a batched pass computes every column
         empty = BatchDraft.empty(len(self.rows))
         fed = prompt_mask.sum(-1).tolist()
-        self.commit(self.judge(logits, seconds, fed, empty.tokens, empty, None, None), empty)
+        views = [row_view(logits[i], row, [], self.logits_processor, seconds, fed[i])
+                 for i, row in enumerate(self.rows.active)]
+        self.commit(self.judge(views, empty.tokens, empty, None, None), empty)
         self.stats.plain_blocks += 1
         for row in self.rows.active:
             row.stats.plain_blocks += 1
@@ -166,13 +174,20 @@ class BatchedDecoder:
         wants_slim = self.wants_slim()
         draft, drafting = self.draft(slim_may_run=wants_slim)
         cut_short = self.cut_short(draft, wants_slim)
-        slim_runs = wants_slim and draft.longest > 0
-        repairs, slim_views = self.repair(draft) if slim_runs else (None, None)
-        blocks = self.verify(draft, repairs, slim_views)
-        committed = self.commit(blocks, draft)
+        catch_up = self.must_catch_up(draft)
+        slim_runs = wants_slim and draft.longest > 0 and not catch_up
+        shadow = slim_runs and self.tiered and self.controller is not None and self.controller.probes_in_shadow()
+        if not slim_runs:
+            blocks = self.verify(draft, None, None)
+        elif self.tiered:
+            blocks = self.slim_decides(draft, shadow)
+        else:
+            blocks = self.verify(draft, *self.repair(draft))
+        committed = self.commit(blocks, draft, catch_up)
         self.stats.slim_forwards += int(slim_runs)
-        self.stats.slim_on_blocks += int(wants_slim)
-        self.stats.slim_off_blocks += int(not wants_slim)
+        self.stats.slim_on_blocks += int(wants_slim and not shadow)
+        self.stats.slim_off_blocks += int(not wants_slim or shadow)
+        self.stats.slim_shadow_blocks += int(shadow)
         self.learn(draft, blocks, committed, time.perf_counter() - started, drafting, wants_slim, reading, cut_short)
 
     def plain_step(self) -> None:
@@ -185,7 +200,7 @@ class BatchedDecoder:
         for row in self.rows.active:
             row.stats.plain_blocks += 1
         self.switch.observe(False, committed, time.perf_counter() - started)
-        self.planner.costs.observe_verifying(blocks[0].seconds["full"], 1)  # the fit's one-token passes
+        self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
 
     def limits(self, slim_may_run: bool) -> list[int]:
         """Each row's longest draft: the block's bound (the planner's, shorter where the slim tier may run, as for one
@@ -211,40 +226,54 @@ class BatchedDecoder:
             self.planner.costs.observe_drafting(seconds, draft.forwards)
         return draft, seconds
 
+    def must_catch_up(self, draft: BatchDraft) -> bool:
+        """Tiered mode: whether some row's backlog (tokens the slim tier committed that the full model has not seen)
+        would pass ``max_slim_backlog`` with this block, so the full model verifies it, as for one sequence."""
+        return self.tiered and any(row.unverified + len(tokens) + 1 > self.config.max_slim_backlog
+                                   for row, tokens in zip(self.rows.active, draft.tokens))
+
     def repair(self, draft: BatchDraft) -> tuple[list[SlimRepair], list[TierLogits]]:
-        """The slim tier's provisional pass over every row's draft, and each row's repair."""
-        logits, seconds, fed = self.score(draft.tokens, routed=True)
-        views = [row_view(logits[i], row, draft.tokens[i], self.logits_processor, seconds, fed[i])
-                 for i, row in enumerate(self.rows.active)]
+        """Lossless mode: the slim tier's provisional pass over every row's draft, and each row's repair."""
+        views = self.score(draft.tokens, routed=True)
         return [slim_repair(self.rules, view, row) for view, row in zip(views, draft.rows)], views
+
+    def slim_decides(self, draft: BatchDraft, shadow: bool) -> list[BlockResult]:
+        """Tiered mode (``policies.tiered``, row by row): the slim tier walks every row's draft; where no row is unsure
+        of a draft, each row commits on its authority and the target's cache takes those tokens with the full model's
+        next pass. Otherwise the block escalates as a whole: the full pass an unsure row needs verifies every row's
+        draft for the price of one pass. A ``shadow`` probe of the slim tier is decided by the full model in any case."""
+        views = self.score(draft.tokens, routed=True)
+        verdicts = [slim_walk(self.rules, view, row) for view, row in zip(views, draft.rows)]
+        self.stats.seconds["slim"] += views[0].seconds
+        if not shadow and all(verdict is not None and not verdict.escalated for verdict in verdicts):
+            return [decided(row, verdict, view, "slim") for row, verdict, view in zip(draft.rows, verdicts, views)]
+        blocks = self.verify(draft, None, None)
+        return [after_slim_walk(block, view, row, verdict, shadow)
+                for block, view, row, verdict in zip(blocks, views, draft.rows, verdicts)]
 
     def verify(self, draft: BatchDraft, repairs: list[SlimRepair] | None,
                slim_views: list[TierLogits] | None) -> list[BlockResult]:
         """The full pass over every row's (repaired) draft; each row's verdict. The cache keeps what each row kept."""
         verified = [repair.verified.tokens for repair in repairs] if repairs is not None else draft.tokens
-        logits, seconds, fed = self.score(verified, routed=False)
-        return self.judge(logits, seconds, fed, verified, draft, repairs, slim_views)
+        return self.judge(self.score(verified, routed=False), verified, draft, repairs, slim_views)
 
-    def judge(self, logits: torch.Tensor, seconds: float, fed: list[int], verified: list[list[int]], draft: BatchDraft,
+    def judge(self, views: list[TierLogits], verified: list[list[int]], draft: BatchDraft,
               repairs: list[SlimRepair] | None, slim_views: list[TierLogits] | None) -> list[BlockResult]:
-        """Each row's verdict from the full pass's ``logits`` on its ``verified`` tokens; the cache forgets the rest."""
-        blocks = []
-        for i, row in enumerate(self.rows.active):
-            view = row_view(logits[i], row, verified[i], self.logits_processor, seconds, fed[i])
-            blocks.append(full_verdict(self.rules, view, draft.rows[i], repairs[i] if repairs else None,
-                                       slim_views[i] if slim_views else None))
+        """Each row's verdict from the full pass's ``views`` of its ``verified`` tokens; the cache forgets the rest."""
+        blocks = [full_verdict(self.rules, view, draft.rows[i], repairs[i] if repairs else None,
+                               slim_views[i] if slim_views else None) for i, view in enumerate(views)]
         rejected = [len(tokens) - block.kept for tokens, block in zip(verified, blocks)]
         self.target.forget_last(torch.tensor(rejected, device=self.target.mask.device))
         self.stats.full_forwards += 1
-        self.stats.seconds["full"] += seconds
+        self.stats.seconds["full"] += views[0].seconds
         if slim_views:
             self.stats.seconds["slim"] += slim_views[0].seconds
         return blocks
 
-    def score(self, drafts: list[list[int]], routed: bool) -> tuple[torch.Tensor, float, list[int]]:
-        """One pass of the target (``routed``: the slim verifier, provisional) over each row's newest committed token
-        and draft: the logits ``[rows, columns, vocab]``, its seconds, and the tokens each row fed."""
-        feeds = [[row.newest()] + tokens for row, tokens in zip(self.rows.active, drafts)]
+    def score(self, drafts: list[list[int]], routed: bool) -> list[TierLogits]:
+        """One pass of the target (``routed``: the slim verifier, provisional) over each row's unprocessed committed
+        tokens and draft: what each row's pass says about its draft (``row_view``)."""
+        feeds = [row.unprocessed() + tokens for row, tokens in zip(self.rows.active, drafts)]
         tokens, real = right_padded(feeds, self.target.mask.device)
         started = time.perf_counter()
         if routed:
@@ -252,15 +281,20 @@ class BatchedDecoder:
                 logits = self.target.run(self.model, tokens, real, keep=tokens.shape[1])
         else:
             logits = self.target.run(self.model, tokens, real, keep=tokens.shape[1])
-        return logits, time.perf_counter() - started, [len(feed) for feed in feeds]
+        seconds = time.perf_counter() - started
+        return [row_view(logits[i, len(feed) - len(draft) - 1 :], row, draft, self.logits_processor, seconds, len(feed))
+                for i, (row, feed, draft) in enumerate(zip(self.rows.active, feeds, drafts))]
 
-    def commit(self, blocks: list[BlockResult], draft: BatchDraft) -> int:
+    def commit(self, blocks: list[BlockResult], draft: BatchDraft, catch_up: bool = False) -> int:
         """Each row's tokens, until its stopping criteria; the drafter forgets what was not committed. Returns the
         tokens committed over all rows."""
         committed = 0
         for row, block, tokens in zip(self.rows.active, blocks, draft.tokens):
-            row.stats.record_block(block, drafted=len(tokens), catch_up=False)
-            committed += self.rows.commit(row, block.tokens, block.made_by)
+            row.stats.record_block(block, drafted=len(tokens), catch_up=catch_up)
+            taken = self.rows.commit(row, block.tokens, block.made_by)
+            row.unverified = row.unverified + taken if block.decided_by == "slim" else 0
+            row.stats.peak_slim_backlog = max(row.stats.peak_slim_backlog, row.unverified)
+            committed += taken
         self.stats.blocks += 1
         self.stats.ragged_blocks += int(ragged(blocks))
         self.drafter.commit(self.rows)
@@ -290,7 +324,7 @@ class BatchedDecoder:
         if self.planner is not None:
             for row, block in zip(draft.rows, blocks):
                 self.planner.observe(row, block.judged, block.kept)
-            if isinstance(self.planner.costs, MeasuredCosts):
+            if isinstance(self.planner.costs, MeasuredCosts) and blocks[0].passes["full"]:
                 self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
         if self.switch is not None:
             self.switch.observe(True, committed, seconds, one_off=reading, cut_short=cut_short)
@@ -312,7 +346,7 @@ class BatchedDecoder:
         going_on = [i for i, row in enumerate(self.rows.active) if not row.finished]
         lengths = self.target.lengths().tolist()
         held = [lengths[i] for i in going_on]
-        expected = [len(self.rows.active[i].tokens()) - 1 for i in going_on]
+        expected = [len(self.rows.active[i].tokens()) - 1 - self.rows.active[i].unverified for i in going_on]
         if held != expected:
             raise CacheInvariantError(f"the target's cache holds {held} tokens per row, not {expected}")
 

@@ -1,10 +1,10 @@
 """What batched VIA-SD decodes, and, for what it does not, the reason and the fix.
 
-A batch (more than one prompt) decodes in lossless mode, greedily or sampling, from left-padded prompts (with
-their attention mask, or none when they have one length), drafted by an assistant model, prompt
-lookup, both, or the self-drafter. ``return_dict_in_generate`` returns the sequences and ``viasd_stats``. With a
-``MaskSet`` the slim tier runs its default mask. Draft vocabularies and the runner-up leaf are left
-out: they change only speed, and lossless output is the full model's either way.
+A batch (more than one prompt) decodes in lossless or tiered mode, greedily or sampling, from left-padded
+prompts (with their attention mask, or none when they have one length), drafted by an assistant model,
+prompt lookup, both, or the self-drafter. ``return_dict_in_generate`` returns the sequences and
+``viasd_stats``. With a ``MaskSet`` the slim tier runs its default mask. Draft vocabularies and the
+runner-up leaf are left out: they change only speed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.engine.kv_cache import check_empty, full_attention_only, new_cache
 from viasd_hf.masks.architectures import is_encoder_decoder, model_config
 
-SUPPORTED = ("batched VIA-SD decodes left-padded prompts in lossless mode, greedily or sampling, drafted by an "
+SUPPORTED = ("batched VIA-SD decodes left-padded prompts in lossless or tiered mode, greedily or sampling, drafted by an "
              "assistant model (assistant_model=...), prompt lookup (prompt_lookup_num_tokens=...), both, or the "
              "self-drafter (ViaSDConfig(self_draft_mask=...))")
 ONE_AT_A_TIME = "or call generate once per prompt"
@@ -48,8 +48,6 @@ def check_batch_supported(
                          f"to decode {batch}")
     if is_encoder_decoder(model):
         refuse("batched VIA-SD does not decode encoder-decoder models", ONE_AT_A_TIME)
-    if config.mode != "lossless":
-        refuse(f"batched VIA-SD does not decode in mode={config.mode!r} yet", f"use mode='lossless', {ONE_AT_A_TIME}")
     if config.drafter_context is not None:
         refuse(f"batched VIA-SD drafts from the whole prompt (drafter_context={config.drafter_context})",
                f"use drafter_context=None, {ONE_AT_A_TIME}")

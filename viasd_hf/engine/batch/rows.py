@@ -26,6 +26,7 @@ class Row:
     padding: int
     stats: ViaSDStats
     finished: bool = False
+    unverified: int = 0  # tiered mode: tokens committed on the slim tier's authority since the full model's last pass
 
     @property
     def length(self) -> int:
@@ -39,8 +40,10 @@ class Row:
         """The row's own sequence, without its padding: what its drafters read."""
         return self.ids[0, self.padding :].tolist()
 
-    def newest(self) -> int:
-        return int(self.ids[0, -1])
+    def unprocessed(self) -> list[int]:
+        """The committed tokens the target's cache lacks, which its next pass feeds before a draft: the newest, and in
+        tiered mode the tokens the slim tier committed since the full model's last pass."""
+        return self.ids[0, self.length - 1 - self.unverified :].tolist()
 
     def extended(self, tokens: list[int]) -> torch.Tensor:
         """``ids`` followed by ``tokens`` (drafts not yet committed): what logits processors see before the next one."""
