@@ -138,7 +138,8 @@ def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than
     assert not switch.reading_pays(0.0, 1000)
 
 
-@pytest.mark.parametrize("rows, first_call, unread, left", [(3, 24, 180, 21), (1, 80, 59, 8)])
+@pytest.mark.parametrize("rows, first_call, unread, left", [(3, 24, 180, "7 tokens left a row"),
+                                                             (1, 80, 59, "8 tokens left")])
 def test_a_call_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not_pay(clock, rows, first_call,
                                                                                      unread, left):
     """A call whose drafter must read long prompts at great cost, once the switch speculates: with few tokens left the
@@ -166,9 +167,30 @@ def test_a_call_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not
     short = call(8)
     assert short.drafter_forwards == 0 and short.plain_blocks == short.blocks
     assert re.match(rf"plain decoding: the drafter would first read {unread} tokens \(about [\d.]+ s\), more than "
-                    rf"speculating can save over the {left} tokens left \(speculative blocks", short.speculation_verdict)
+                    rf"speculating can save over the {left} \(speculative blocks", short.speculation_verdict)
     long = call(150)
     assert long.drafter_forwards > 0 and long.speculation_verdict.startswith("speculating")
+
+
+def test_a_batchs_switch_measures_the_pace_of_each_row_still_decoding(clock, monkeypatch):
+    """Rows leave a batch as they finish, so a block commits fewer tokens later in a call whichever regime runs it:
+    the switch of a batch is fed each block's tokens per row still decoding (a plain block: one), and says so."""
+    target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)
+    enable_viasd(target)
+    clock.charge(target, 0.01)
+    fed = []
+    observe = SpeculationSwitch.observe
+    monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: switch.block % 3 == 1)
+    monkeypatch.setattr(SpeculationSwitch, "observe", lambda switch, speculated, tokens, seconds, **kwargs: (
+        fed.append((speculated, tokens)), observe(switch, speculated, tokens, seconds, **kwargs)))
+    ids = torch.randint(2, 96, (3, 12), generator=torch.Generator().manual_seed(0))
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=20,
+                          viasd_config=ViaSDConfig(use_slim=False), do_sample=False, return_dict_in_generate=True)
+    plain = [tokens for speculated, tokens in fed if not speculated]
+    speculative = [tokens for speculated, tokens in fed if speculated]
+    assert plain and all(tokens == 1 for tokens in plain), "a plain block: one token a row, whatever the rows"
+    assert speculative and max(speculative) > 1 and sum(speculative) * 3 <= out.viasd_stats.new_tokens
+    assert "tokens/s a row" in out.viasd_stats.speculation_verdict
 
 
 def test_the_user_is_told_speculation_does_not_pay_only_where_it_measured_clearly_slower():

@@ -91,6 +91,8 @@ class BatchedDecoder:
             self.planner = draft_planner(model, self.planner_key, lambda: new_draft_planner(
                 StaticCosts.for_drafter(model, drafter_model, None), config, do_sample=sampling))
         self.switch = self.planner.switch if self.planner is not None else None
+        if self.switch is not None:
+            self.switch.per_row = True  # a batch's pace is each row's, whatever number of rows is left
         # where this call's switches start in the remembered controller's and speculation switch's records
         self._first_tier_switch = len(self.controller.switches) if self.controller is not None else 0
         self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
@@ -155,7 +157,7 @@ class BatchedDecoder:
     def reading_pays(self) -> bool:
         """Whether speculating over the tokens the rows may still decode saves more than the drafter's read costs
         (``DrafterRead.pays``, priced against this call's prefill)."""
-        left = sum(self.max_length - row.length for row in self.rows.active)
+        left = sum(self.max_length - row.length for row in self.rows.active) / len(self.rows)
         return self.drafter_read.pays(self.unread_tokens(), left)
 
     def wants_slim(self) -> bool:
@@ -199,7 +201,7 @@ class BatchedDecoder:
         self.stats.plain_blocks += 1
         for row in self.rows.active:
             row.stats.plain_blocks += 1
-        self.switch.observe(False, committed, time.perf_counter() - started)
+        self.switch.observe(False, committed / len(blocks), time.perf_counter() - started)
         self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
 
     def limits(self, slim_may_run: bool) -> list[int]:
@@ -327,7 +329,7 @@ class BatchedDecoder:
             if isinstance(self.planner.costs, MeasuredCosts) and blocks[0].passes["full"]:
                 self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
         if self.switch is not None:
-            self.switch.observe(True, committed, seconds, one_off=reading, cut_short=cut_short)
+            self.switch.observe(True, committed / len(blocks), seconds, one_off=reading, cut_short=cut_short)
         if self.controller is not None:
             self.controller.observe(BlockCost(
                 slim=wants_slim, seconds=seconds, tokens=committed, slim_seconds=blocks[0].seconds["slim"],
