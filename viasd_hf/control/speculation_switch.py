@@ -61,14 +61,6 @@ class SpeculationSwitch:
     A probe of the slower regime costs time, so probes are spaced to cost at most ``budget`` of the
     decoding time: the next one waits at least as many blocks as its expected loss (``probe_loss``)
     takes ``budget`` times to earn back, and the doubling of ``ProbeSchedule`` applies on top.
-
-    A batch's switch (``per_row``) is fed each block's tokens per row still decoding. Rows leave as they
-    finish, so a block commits fewer tokens later in a call whichever regime runs it; counted over all
-    rows, the regime last measured with few rows left looks slow, and the next call of that batch size
-    trusted a plain pace measured on one or two rows against a speculative one measured on eight
-    (12.9 against 19.0 tokens/s, where a full batch of 8 decoded 27.5 plainly: GSM8K, Qwen2.5-Coder
-    0.5B → 1.5B, AMX Xeon, 0.87x batched greedy). A row's pace is much less sensitive to how many rows
-    remain, and where it is, a pass over fewer rows is cheaper, so it errs towards plain decoding.
     """
 
     speculating: bool = False
@@ -88,7 +80,6 @@ class SpeculationSwitch:
     reads: FadedMean = field(default_factory=FadedMean)  # seconds a probe of speculation spent first reading (one-off)
     prefill: FadedMean = field(default_factory=FadedMean)  # the target's seconds per prompt token, over calls
     advice_gap: float = 0.1  # how much slower speculation must measure before the user is told it does not pay
-    per_row: bool = False  # a batch's switch: throughput in tokens per second of each row still decoding
 
     def speculates(self) -> bool:
         """Whether the next block drafts."""
@@ -139,10 +130,9 @@ class SpeculationSwitch:
         ratio = self.reading.mean()
         return None if ratio is None else ratio * prefill_seconds_per_token * tokens
 
-    def reading_pays(self, read_seconds: float | None, tokens_left: float) -> bool:
-        """Whether speculating over at most ``tokens_left`` more tokens (a batch's switch: a row's, on average) saves
-        more than ``read_seconds``, the read the drafter needs before it drafts, at the throughputs measured; yes while
-        either is unknown (a probe learns it)."""
+    def reading_pays(self, read_seconds: float | None, tokens_left: int) -> bool:
+        """Whether speculating over at most ``tokens_left`` more tokens saves more than ``read_seconds``, the read the
+        drafter needs before it drafts, at the throughputs measured; yes while either is unknown (a probe learns it)."""
         speculative, plain = self.speculative.mean(), self.plain.mean()
         if read_seconds is None or speculative is None or plain is None:
             return True
@@ -175,8 +165,7 @@ class SpeculationSwitch:
         speculative, plain = self.speculative.mean(), self.plain.mean()
         if speculative is None or plain is None:
             return "not yet compared"
-        unit = "tokens/s a row" if self.per_row else "tokens/s"
-        return f"speculative blocks {speculative:.2f} {unit}, plain decoding {plain:.2f} {unit}"
+        return f"speculative blocks {speculative:.2f} tokens/s, plain decoding {plain:.2f} tokens/s"
 
     def _rate(self, speculated: bool) -> float | None:
         return (self.speculative if speculated else self.plain).mean()
@@ -234,9 +223,9 @@ class DrafterRead:
             self.unpriced = (seconds, tokens)
             self._price()
 
-    def pays(self, tokens: int, left: float) -> bool:
+    def pays(self, tokens: int, left: int) -> bool:
         """Whether reading ``tokens`` before drafting is expected to be earned back over the ``left`` tokens the call
-        may still decode (a batch: a row may, on average); the first time it is not, ``verdict`` says why."""
+        may still decode; the first time it is not, ``verdict`` says why."""
         if self.switch is None:
             return True
         prefill = self.prefill_per_token or self.switch.prefill.mean()
@@ -245,8 +234,7 @@ class DrafterRead:
             return True
         if self.verdict is None:
             self.verdict = (f"plain decoding: the drafter would first read {tokens} tokens (about {read:.1f} s), more "
-                            f"than speculating can save over the {left:.0f} tokens left{' a row' * self.switch.per_row} "
-                            f"({self.switch.describe()})")
+                            f"than speculating can save over the {left} tokens left ({self.switch.describe()})")
         return False
 
     def _price(self) -> None:

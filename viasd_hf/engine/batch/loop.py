@@ -16,9 +16,9 @@ One block, as in the paper's algorithm, for all rows together:
 
 The first block is plain and rides on the prompts' pass (``open``): the target reads every prompt and gives each
 row its first token, as ``generate``'s first step does. Whether a later block drafts at all is the speculation
-switch's choice (``control.speculation_switch``), on the measured tokens per second of the whole batch: where
-speculation does not pay, blocks decode one token per row in one full pass, as ``generate``'s batched greedy
-decoding. Whether the slim tier runs is the tier controller's choice, fed each block's costs summed over its rows.
+switch's choice (``control.speculation_switch``), on the tokens per second measured while every row of the batch
+decodes (``measures``): where speculation does not pay, blocks decode one token per row in one full pass, as
+``generate``'s batched greedy decoding. Whether the slim tier runs is the tier controller's choice, fed each block's costs summed over its rows.
 Draft lengths come from the draft planner, asked row by row (``drafting``). The planner and controller are
 remembered per batch size, apart from single-sequence calls': a pass over more rows costs differently.
 """
@@ -79,10 +79,11 @@ class BatchedDecoder:
         self.rng = rng  # every random draw of a sampling call; None: greedy
         self.rules = VerificationRules(config, rng)
         self.tiered = config.mode == "tiered"
+        self.batch_size = target.mask.shape[0]
         sampling = rng is not None
         self.stats = BatchViaSDStats()
         # a pass over B rows costs differently from a single sequence's, and from one over another number of rows
-        key = (drafter.name, id(drafter_model), "batch", target.mask.shape[0])
+        key = (drafter.name, id(drafter_model), "batch", self.batch_size)
         chooses_tier = config.adaptive and slim_mask is not None
         self.controller = tier_choice(model, slim_mask, key, config, sampling) if chooses_tier else None
         self.planner_key = planner_key(key, slim_mask, config, sampling) if config.adaptive else None
@@ -91,8 +92,6 @@ class BatchedDecoder:
             self.planner = draft_planner(model, self.planner_key, lambda: new_draft_planner(
                 StaticCosts.for_drafter(model, drafter_model, None), config, do_sample=sampling))
         self.switch = self.planner.switch if self.planner is not None else None
-        if self.switch is not None:
-            self.switch.per_row = True  # a batch's pace is each row's, whatever number of rows is left
         # where this call's switches start in the remembered controller's and speculation switch's records
         self._first_tier_switch = len(self.controller.switches) if self.controller is not None else 0
         self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
@@ -149,15 +148,23 @@ class BatchedDecoder:
 
     def speculates(self) -> bool:
         """Whether the next block drafts (``SpeculationSwitch``; always, where timings may not steer). A drafter that
-        has not read the prompts drafts only where its read is expected to pay (``reading_pays``)."""
+        has not read the prompts drafts only where its read is expected to pay (``reading_pays``). Once rows have
+        left, the regime chosen for the full batch goes on, without probes (``measures``)."""
         if self.switch is None:
             return True
-        return self.switch.speculates() and (self.drafter_read.done or self.reading_pays())
+        chosen = self.switch.speculates() if self.measures() else self.switch.speculating
+        return chosen and (self.drafter_read.done or self.reading_pays())
+
+    def measures(self) -> bool:
+        """Whether a block's pace tells the switch about this batch size: while every row of the batch decodes. Once
+        rows have left, a block costs less and commits fewer tokens whichever regime runs it, so its pace would set
+        a regime measured late in a call against one measured on the full batch."""
+        return len(self.rows) == self.batch_size
 
     def reading_pays(self) -> bool:
         """Whether speculating over the tokens the rows may still decode saves more than the drafter's read costs
         (``DrafterRead.pays``, priced against this call's prefill)."""
-        left = sum(self.max_length - row.length for row in self.rows.active) / len(self.rows)
+        left = sum(self.max_length - row.length for row in self.rows.active)
         return self.drafter_read.pays(self.unread_tokens(), left)
 
     def wants_slim(self) -> bool:
@@ -201,7 +208,8 @@ class BatchedDecoder:
         self.stats.plain_blocks += 1
         for row in self.rows.active:
             row.stats.plain_blocks += 1
-        self.switch.observe(False, committed / len(blocks), time.perf_counter() - started)
+        if self.measures():
+            self.switch.observe(False, committed, time.perf_counter() - started)
         self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
 
     def limits(self, slim_may_run: bool) -> list[int]:
@@ -328,8 +336,8 @@ class BatchedDecoder:
                 self.planner.observe(row, block.judged, block.kept)
             if isinstance(self.planner.costs, MeasuredCosts) and blocks[0].passes["full"]:
                 self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
-        if self.switch is not None:
-            self.switch.observe(True, committed / len(blocks), seconds, one_off=reading, cut_short=cut_short)
+        if self.switch is not None and self.measures():
+            self.switch.observe(True, committed, seconds, one_off=reading, cut_short=cut_short)
         if self.controller is not None:
             self.controller.observe(BlockCost(
                 slim=wants_slim, seconds=seconds, tokens=committed, slim_seconds=blocks[0].seconds["slim"],
