@@ -208,7 +208,8 @@ def after_slim_walk(block: BlockResult, view: TierLogits, draft: Draft, verdict:
     if verdict is None:
         return _after_slim_pass(block, view, **({"slim_would_commit": 0} if shadow else {"escalated": True}))
     if shadow:
-        return _after_slim_pass(block, view, draft, draft, slim_would_commit=0 if verdict.escalated else verdict.kept + 1)
+        would_commit = 0 if verdict.escalated else verdict.kept + 1
+        return _after_slim_pass(block, view, draft, draft, slim_would_commit=would_commit)
     return _after_slim_pass(block, view, draft, draft, escalated=True)
 
 

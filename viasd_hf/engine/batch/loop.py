@@ -18,8 +18,8 @@ The first block is plain and rides on the prompts' pass (``open``): the target r
 row its first token, as ``generate``'s first step does. Whether a later block drafts at all is the speculation
 switch's choice (``control.speculation_switch``), on the tokens per second measured while every row of the batch
 decodes (``measures``): where speculation does not pay, blocks decode one token per row in one full pass, as
-``generate``'s batched greedy decoding. Whether the slim tier runs is the tier controller's choice, fed each block's costs summed over its rows.
-Draft lengths come from the draft planner, asked row by row (``drafting``). The planner and controller are
+``generate``'s batched greedy decoding. Whether the slim tier runs is the tier controller's choice, fed each
+block's costs summed over its rows. Draft lengths come from the draft planner, asked row by row (``drafting``). The planner and controller are
 remembered per batch size, apart from single-sequence calls': a pass over more rows costs differently.
 """
 
@@ -251,7 +251,8 @@ class BatchedDecoder:
         """Tiered mode (``policies.tiered``, row by row): the slim tier walks every row's draft; where no row is unsure
         of a draft, each row commits on its authority and the target's cache takes those tokens with the full model's
         next pass. Otherwise the block escalates as a whole: the full pass an unsure row needs verifies every row's
-        draft for the price of one pass. A ``shadow`` probe of the slim tier is decided by the full model in any case."""
+        draft for the price of one pass. A ``shadow`` probe of the slim tier is decided by the full model in any
+        case."""
         views = self.score(draft.tokens, routed=True)
         verdicts = [slim_walk(self.rules, view, row) for view, row in zip(views, draft.rows)]
         self.stats.seconds["slim"] += views[0].seconds

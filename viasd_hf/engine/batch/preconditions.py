@@ -21,8 +21,8 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.engine.kv_cache import check_empty, full_attention_only, new_cache
 from viasd_hf.masks.architectures import is_encoder_decoder, model_config
 
-SUPPORTED = ("batched VIA-SD decodes left-padded prompts in lossless or tiered mode, greedily or sampling, drafted by an "
-             "assistant model (assistant_model=...), prompt lookup (prompt_lookup_num_tokens=...), both, or the "
+SUPPORTED = ("batched VIA-SD decodes left-padded prompts in lossless or tiered mode, greedily or sampling, drafted "
+             "by an assistant model (assistant_model=...), prompt lookup (prompt_lookup_num_tokens=...), both, or the "
              "self-drafter (ViaSDConfig(self_draft_mask=...))")
 ONE_AT_A_TIME = "or call generate once per prompt"
 Refuse = Callable[[str, str], NoReturn]  # (what is not supported, the fix) -> raises the ValueError
