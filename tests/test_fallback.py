@@ -134,6 +134,8 @@ def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than
     read = switch.reading_cost(0.01, 250)
     assert read == pytest.approx(1.0)
     assert switch.reading_pays(read, 21) and not switch.reading_pays(read, 19)
+    switch.observe_tail(0.5)  # a batch's rows, finishing apart, lost half a second once per call
+    assert switch.reading_pays(read, 31) and not switch.reading_pays(read, 29)
     switch.speculative = FadedMean(5.0, 1.0)  # speculation slower than plain decoding: no read pays
     assert not switch.reading_pays(0.0, 1000)
 
@@ -173,8 +175,8 @@ def test_a_call_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not
 
 def test_a_batchs_switch_measures_only_blocks_of_the_full_batch(clock, monkeypatch):
     """Rows leave a batch as they finish, so a block commits fewer tokens later in a call whichever regime runs it:
-    the switch, remembered for this batch size, learns from the blocks every row took part in, and once a row has
-    left the regime it chose goes on without probes."""
+    the switch, remembered for this batch size, learns from the blocks every row took part in; once a row has
+    left the regime it chose goes on without probes, and what those blocks lost is priced once, at the call's end."""
     target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)
     enable_viasd(target)
     clock.charge(target, 0.01)
@@ -182,16 +184,19 @@ def test_a_batchs_switch_measures_only_blocks_of_the_full_batch(clock, monkeypat
     observe = SpeculationSwitch.observe
     monkeypatch.setattr(SpeculationSwitch, "observe", lambda switch, *args, **kwargs: (
         observed.append(args), observe(switch, *args, **kwargs)))
+    tails = []
+    monkeypatch.setattr(SpeculationSwitch, "observe_tail", lambda switch, seconds: tails.append(seconds))
     ids = torch.randint(2, 96, (3, 12), generator=torch.Generator().manual_seed(0))
-    free = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, viasd_config=None,
+    free = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, viasd_config=None,
                            eos_token_id=None, do_sample=False)[:, ids.shape[1] :]
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=24,
-                          eos_token_id=int(free[0, 5]), pad_token_id=0, viasd_config=ViaSDConfig(use_slim=False),
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=40,
+                          eos_token_id=int(free[0, 15]), pad_token_id=0, viasd_config=ViaSDConfig(use_slim=False),
                           do_sample=False, return_dict_in_generate=True)
     stats = out.viasd_stats
     first_left = min(entry["block"] for entry in stats.rows_left)
     assert 0 < first_left < stats.blocks, "a row left before the call ended"
     assert len(observed) == first_left - 1, "every block after the first (the prompts' pass) until a row left"
+    assert len(tails) == 1, "the blocks after a row left priced what finishing apart lost, once"
 
 
 def test_the_user_is_told_speculation_does_not_pay_only_where_it_measured_clearly_slower():

@@ -96,6 +96,8 @@ class BatchedDecoder:
         self._first_tier_switch = len(self.controller.switches) if self.controller is not None else 0
         self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
         self.rows: Rows
+        # the seconds and tokens of the speculative blocks run once rows had left (``measures``)
+        self.tail_seconds, self.tail_tokens = 0.0, 0
         self.drafter_read = DrafterRead(self.switch)  # the drafter reads the prompts before its first draft
 
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
@@ -339,12 +341,22 @@ class BatchedDecoder:
                 self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
         if self.switch is not None and self.measures():
             self.switch.observe(True, committed, seconds, one_off=reading, cut_short=cut_short)
+        elif self.switch is not None:
+            self.tail_seconds += seconds
+            self.tail_tokens += committed
         if self.controller is not None:
             self.controller.observe(BlockCost(
                 slim=wants_slim, seconds=seconds, tokens=committed, slim_seconds=blocks[0].seconds["slim"],
                 full_seconds=blocks[0].seconds["full"], repair_gain=sum(block.repair_gain for block in blocks),
                 drafter_seconds=drafting if draft.forwards else 0.0, drafter_passes=draft.forwards,
             ))
+
+    def observe_tail(self) -> None:
+        """Tell the switch what this call's tail lost: its speculative blocks once rows had left, beyond what their
+        tokens take at the full batch's speculative pace (``SpeculationSwitch.observe_tail``)."""
+        pace = self.switch.speculative.mean()
+        if self.tail_seconds and pace:
+            self.switch.observe_tail(self.tail_seconds - self.tail_tokens / pace)
 
     def record_draft(self, passes: int, seconds: float) -> None:
         self.stats.record_draft(passes, seconds)
@@ -369,6 +381,7 @@ class BatchedDecoder:
             stats.tier_switches = self.controller.switches[self._first_tier_switch :]
             stats.slim_tier_verdict = self.controller.verdict()
         if self.switch is not None:
+            self.observe_tail()
             stats.speculation_switches = self.switch.switches[self._first_fallback_switch :]
             stats.speculation_verdict = self.drafter_read.verdict or self.switch.verdict()
         if self.planner_key is not None:
