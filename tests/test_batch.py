@@ -183,6 +183,55 @@ def test_rows_stop_at_their_own_eos_and_leave_the_batch(pair):
     assert [left[i]["new_tokens"] for i in range(3)] == new
 
 
+class ScoresSeen(StoppingCriteria):
+    """Records, for every row it is asked about, how many new tokens the row has and how many scores it was given."""
+
+    def __init__(self, prompt_width: int):
+        self.prompt_width, self.seen = prompt_width, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append((input_ids.shape[1] - self.prompt_width, len(scores), scores[-1].shape))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("mode", ["lossless", "tiered"])
+def test_scores_and_logits_of_each_row_are_generates_step_by_step(pair, mode):
+    """``output_scores`` / ``output_logits`` of a batch: step ``t`` holds every row's scores for its ``t``-th new token
+    (fp32 tiny models: equal to ``generate``'s batched greedy up to float32 rounding of passes of other shapes); a row
+    that finished puts all mass on the padding; stopping criteria get each row's own scores."""
+    target, assistant = pair
+    rows = prompts(11, lengths=(9, 6, 12))
+    ids, mask = left_padded(rows)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=20, viasd_config=None, eos_token_id=None,
+                           **GREEDY)[:, ids.shape[1] :]
+    ends = [int(free[0, 3])]  # row 0 ends by its 4th token
+    seen = ScoresSeen(ids.shape[1])
+    config = slim_config(target, mode=mode) if mode == "tiered" else slim_config(target)
+    wanted = {"output_scores": True, "output_logits": True, "eos_token_id": ends, "max_new_tokens": 20}
+    out = batched(target, rows, config, assistant, stopping_criteria=StoppingCriteriaList([seen]), **wanted)
+    reference = target.generate(ids, attention_mask=mask, viasd_config=None, return_dict_in_generate=True,
+                                **GREEDY | wanted)
+    stats = out.viasd_stats
+    new = [row.new_tokens for row in stats.rows]
+    assert new[0] <= 4 and len(set(new)) > 1 and stats.drafted_tokens > 0, "rows speculated and finished apart"
+    if mode == "tiered":
+        assert stats.committed_by["slim"] > 0, "some scores are the slim tier's"
+    for name in ("scores", "logits"):
+        ours, theirs = getattr(out, name), getattr(reference, name)
+        assert len(ours) == max(new) and (mode == "tiered" or len(theirs) == len(ours))
+        for step, (mine, generates) in enumerate(zip(ours, theirs)):
+            assert mine.shape == generates.shape == (len(rows), VOCAB)
+            for i, row_new in enumerate(new):
+                if step >= row_new:
+                    assert mine[i, PAD] == 0 and bool((mine[i, 1:] == -float("inf")).all()), "padding after the end"
+                    continue
+                if mode == "lossless" or stats.rows[i].committed_by["slim"] == 0:  # the full model's own scores
+                    assert int(mine[i].argmax()) == int(out.sequences[i, ids.shape[1] + step]), "they chose it"
+                    torch.testing.assert_close(mine[i], generates[i], rtol=1e-4, atol=1e-4)
+    assert all(given == tokens and shape == (1, VOCAB) for tokens, given, shape in seen.seen)
+    assert set(range(1, max(new))) <= {tokens for tokens, _, _ in seen.seen}  # the last one: max length decides
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5])
 def test_max_new_tokens(pair, max_new_tokens):
     target, assistant = pair
@@ -353,8 +402,6 @@ class AtFourteenTokens(StoppingCriteria):
     ({"streamer": RecordingStreamer()}, "RecordingStreamer only supports batch size 1"),
     ({"do_sample": True, "num_return_sequences": 2, "viasd_config": "drafter_context"},
      "3 prompts x num_return_sequences=2"),
-    ({"output_scores": True}, "does not return scores.*drop output_scores"),
-    ({"output_logits": True}, "does not return logits"),
     ({"viasd_config": "drafter_context"}, "drafter_context=None"),
     ({"right_padded": True}, "left-padded.*padding_side='left'"),
     ({"eos_token_id": None, "stopping_criteria": StoppingCriteriaList([AtFourteenTokens()])}, "set eos_token_id"),

@@ -294,14 +294,22 @@ def generate_batch(
                            end_tokens(generation_config), target_cache,
                            drafting_reader(drafter) if drafter is not None else None, self_drafting)
     rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
+    keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, logits_processor, stopping_criteria,
-                             generation_config.max_length, target_cache, rng, check_invariants)
+                             generation_config.max_length, target_cache, rng, check_invariants, keep_scores, keep_logits)
     rows = decoder.run(input_ids, prompt_mask)
     pad = generation_config._pad_token_tensor
-    sequences = rows.sequences(None if pad is None else int(pad.flatten()[0]))
+    pad = None if pad is None else int(pad.flatten()[0])
+    sequences = rows.sequences(pad)
     if not generation_config.return_dict_in_generate:
         return sequences
-    return ViaSDDecoderOnlyOutput(sequences=sequences, viasd_stats=decoder.stats)
+    return ViaSDDecoderOnlyOutput(
+        sequences=sequences,
+        scores=rows.per_step("scores", pad) if keep_scores else None,
+        logits=rows.per_step("logits", pad) if keep_logits else None,  # raw, from the tier that chose each token
+        viasd_stats=decoder.stats,
+    )
 
 
 class ViaSDGenerationMixin:

@@ -66,7 +66,8 @@ class BatchedDecoder:
     def __init__(self, model: nn.Module, drafter: BatchDrafter, drafter_model: nn.Module | None, config: ViaSDConfig,
                  slim_mask: RoutingMask | None, logits_processor: LogitsProcessorList,
                  stopping_criteria: StoppingCriteriaList, max_length: int, target: RaggedCache,
-                 rng: RandomStream | None = None, check_invariants: bool = False) -> None:
+                 rng: RandomStream | None = None, check_invariants: bool = False, keep_scores: bool = False,
+                 keep_logits: bool = False) -> None:
         self.model = model
         self.drafter = drafter
         self.target = target  # the target's cache, empty until ``run`` (the self-drafter drafts on it too)
@@ -76,6 +77,7 @@ class BatchedDecoder:
         self.stopping_criteria = stopping_criteria
         self.max_length = max_length
         self.check_invariants = check_invariants
+        self.keep = {"keep_scores": keep_scores, "keep_logits": keep_logits}  # output_scores, output_logits
         self.rng = rng  # every random draw of a sampling call; None: greedy
         self.rules = VerificationRules(config, rng)
         self.tiered = config.mode == "tiered"
@@ -103,7 +105,7 @@ class BatchedDecoder:
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
         """Decode every row of ``input_ids`` (left-padded as ``prompt_mask`` says) until each one stops."""
         started = time.perf_counter()
-        self.rows = Rows(input_ids, prompt_mask, self.stopping_criteria, self.max_length)
+        self.rows = Rows(input_ids, prompt_mask, self.stopping_criteria, self.max_length, **self.keep)
         with fastest_attention(steers_attention(self.config, self.rng is not None)):
             self.open(input_ids, prompt_mask)
             self.leave()
@@ -304,7 +306,7 @@ class BatchedDecoder:
         committed = 0
         for row, block, tokens in zip(self.rows.active, blocks, draft.tokens):
             row.stats.record_block(block, drafted=len(tokens), catch_up=catch_up)
-            taken = self.rows.commit(row, block.tokens, block.made_by)
+            taken = self.rows.commit(row, block)
             row.unverified = row.unverified + taken if block.decided_by == "slim" else 0
             row.stats.peak_slim_backlog = max(row.stats.peak_slim_backlog, row.unverified)
             committed += taken

@@ -2,8 +2,8 @@
 
 A batch (more than one prompt) decodes in lossless or tiered mode, greedily or sampling, from left-padded
 prompts (with their attention mask, or none when they have one length), drafted by an assistant model,
-prompt lookup, both, or the self-drafter. ``return_dict_in_generate`` returns the sequences and
-``viasd_stats``. With a ``MaskSet`` the slim tier runs its default mask. Draft vocabularies and the
+prompt lookup, both, or the self-drafter. ``return_dict_in_generate`` returns the sequences, ``viasd_stats`` and, where asked for,
+each new token's scores and logits, step by step as ``generate`` returns them (``rows.Rows.per_step``). With a ``MaskSet`` the slim tier runs its default mask. Draft vocabularies and the
 runner-up leaf are left out: they change only speed.
 """
 
@@ -51,12 +51,6 @@ def check_batch_supported(
     if config.drafter_context is not None:
         refuse(f"batched VIA-SD drafts from the whole prompt (drafter_context={config.drafter_context})",
                f"use drafter_context=None, {ONE_AT_A_TIME}")
-    if generation_config.return_dict_in_generate:
-        for flag in ("output_scores", "output_logits"):
-            if getattr(generation_config, flag, False):
-                refuse(f"batched VIA-SD does not return {flag[len('output_'):]} ({flag}=True): its rows advance at "
-                       "their own pace, so there is no per-step score of every row as generate returns it",
-                       f"drop {flag}, {ONE_AT_A_TIME}")
     check_empty(model_kwargs.get("cache"))
     check_padding(input_ids, model_kwargs, refuse)
     check_stopping(stopping_criteria, refuse)

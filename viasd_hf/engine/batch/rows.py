@@ -9,11 +9,12 @@ as ``generate`` does once a row has finished.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import StoppingCriteriaList
 
+from viasd_hf.engine.policies import BlockResult
 from viasd_hf.engine.stats import ViaSDStats
 
 
@@ -27,6 +28,8 @@ class Row:
     stats: ViaSDStats
     finished: bool = False
     unverified: int = 0  # tiered mode: tokens committed on the slim tier's authority since the full model's last pass
+    scores: list[torch.Tensor] = field(default_factory=list)  # output_scores: one (1, vocab) per new token, processed
+    logits: list[torch.Tensor] = field(default_factory=list)  # output_logits: raw, from the tier that chose the token
 
     @property
     def length(self) -> int:
@@ -54,30 +57,39 @@ class Rows:
     """The rows still decoding (``active``, in the order of the batch's tensors) and those that finished."""
 
     def __init__(
-        self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, stopping_criteria: StoppingCriteriaList, max_length: int
+        self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, stopping_criteria: StoppingCriteriaList, max_length: int,
+        keep_scores: bool = False, keep_logits: bool = False,
     ) -> None:
         padding = (prompt_mask == 0).sum(-1).tolist()
         self.active = [Row(i, input_ids[i : i + 1], padding[i], ViaSDStats()) for i in range(input_ids.shape[0])]
         self.finished: list[Row] = []
         self.stopping_criteria = stopping_criteria
         self.max_length = max_length
+        self.keep_scores = keep_scores
+        self.keep_logits = keep_logits
 
     def __len__(self) -> int:
         return len(self.active)
 
-    def commit(self, row: Row, tokens: list[int], made_by: list[str]) -> int:
+    def commit(self, row: Row, block: BlockResult) -> int:
         """Append a block's tokens to ``row`` one at a time, stopping where its stopping criteria say; how many it took."""
-        for count, (token, maker) in enumerate(zip(tokens, made_by), start=1):
+        for count, (token, maker) in enumerate(zip(block.tokens, block.made_by), start=1):
             row.ids = torch.cat([row.ids, row.ids.new_tensor([[token]])], dim=-1)
             row.stats.record_commit(maker)
+            if self.keep_scores:  # row ``count - 1`` of the block's pass chose the token
+                row.scores.append(block.rows.scores[count - 1 : count])
+            if self.keep_logits:
+                row.logits.append(block.rows.logits[count - 1 : count])
             if self.should_stop(row):
                 row.finished = True
                 return count
-        return len(tokens)
+        return len(block.tokens)
 
     def should_stop(self, row: Row) -> bool:
-        """Max length or a stopping criterion, asked of this row alone, as ``generate`` asks them row by row."""
-        return row.length >= self.max_length or bool(self.stopping_criteria(row.ids, None).any())
+        """Max length or a stopping criterion, asked of this row alone, as ``generate`` asks them row by row; criteria
+        get the row's scores as ``generate`` passes them (each new token's, where ``output_scores`` keeps them)."""
+        scores = tuple(row.scores) if self.keep_scores else None
+        return row.length >= self.max_length or bool(self.stopping_criteria(row.ids, scores).any())
 
     def leave(self) -> list[Row]:
         """Move the finished rows out of ``active``; the rows that left, in their order there."""
@@ -105,3 +117,20 @@ class Rows:
         for i, row in enumerate(rows):
             out[i, : row.length] = row.ids[0]
         return out
+
+    def per_step(self, kept: str, pad_token_id: int | None) -> tuple[torch.Tensor, ...]:
+        """Every row's kept ``scores`` or ``logits`` as ``generate`` returns them for a batch: one ``[rows, vocab]``
+        tensor per new token of the longest row. After a row finished, its entries put all mass on ``pad_token_id``
+        (0 there, −inf elsewhere): its output is padding from then on, chosen by no model. (``generate`` goes on
+        scoring a finished row's padding instead; those scores choose nothing either.)"""
+        rows = self.every_row()
+        kept_per_row = [getattr(row, kept) for row in rows]
+        steps = max(len(per_row) for per_row in kept_per_row)
+        if not steps:
+            return ()
+        first = next(per_row[0] for per_row in kept_per_row if per_row)
+        padding = torch.full_like(first, -float("inf"))
+        if pad_token_id is not None:
+            padding[0, pad_token_id] = 0.0
+        return tuple(torch.cat([per_row[step] if step < len(per_row) else padding for per_row in kept_per_row])
+                     for step in range(steps))
