@@ -31,7 +31,7 @@ from viasd_hf.models.quantization import (
     resolve_dtype,
 )
 from viasd_hf.models.quantization import choice as quantization_choice
-from viasd_hf.models.quantization.measure import time_in_rounds
+from viasd_hf.models.quantization.measure import converted, time_in_rounds
 from viasd_hf.models.quantization.probe import ruled_out_by_screen
 from viasd_hf.models.quantization.reader import fewest_tokens_for_twin
 
@@ -336,6 +336,35 @@ def test_a_quantised_drafting_copy_reads_long_prompts_through_its_dequantised_tw
                           return_dict_in_generate=True, **GREEDY)  # fmt: skip
     assert torch.equal(out.sequences, expected) and out.viasd_stats.drafter_forwards > 1
     assert long_passes == [40], "the twin read the prompt, once; the copy drafted"
+
+
+@pytest.mark.machine_precision
+@pytest.mark.parametrize("precision", ["auto", "as_loaded"])
+def test_a_drafter_its_user_quantised_drafts_as_it_is_and_reads_through_its_twin(precision, home, monkeypatch):
+    """A drafter handed over in a 4-bit form is not converted; with ``"auto"`` a dequantised twin of it, made on its
+    first call, reads the prompt (a 4-bit kernel reads long prompts slowly), and ``"as_loaded"`` keeps it alone."""
+    scheme = SCHEMES["torchao-int4-weight-only"]
+    if not scheme.available:
+        pytest.skip(f"{scheme.requirement} is not installed")
+    target = enable_viasd(tiny_causal_lm("llama", seed=0, hidden_size=128, intermediate_size=256))
+    drafter = converted(near_copy(target, scale=0.01), scheme)  # as the user loaded it
+    monkeypatch.setattr(drafter_precision, "fewest_tokens_for_twin", lambda model, twin: 32)  # measured: this CPU's
+    seen = drafting_models(monkeypatch)
+    passes = {"drafter": [], "twin": []}
+    drafter.model.register_forward_pre_hook(
+        lambda body, args, kwargs: passes["drafter" if body is drafter.model else "twin"].append(
+            kwargs["input_ids"].shape[1]), with_kwargs=True)  # the twin's body shares the drafter's hooks
+    long_prompt = torch.randint(2, VOCAB, (1, 40), generator=torch.Generator().manual_seed(6))
+    expected = target.generate(long_prompt, max_new_tokens=12, **GREEDY)
+    out = target.generate(long_prompt, assistant_model=drafter, max_new_tokens=12, return_dict_in_generate=True,
+                          viasd_config=lossless(target, drafter_precision=precision), **GREEDY)
+    assert torch.equal(out.sequences, expected) and seen == [drafter], "it drafted as it is"
+    if precision == "as_loaded":
+        assert passes["twin"] == [] and passes["drafter"][0] == 40 and drafter_precision.drafting_reader(drafter) is None
+    else:
+        assert passes["twin"] == [40], "its twin read the prompt, once"
+        assert drafter_precision.drafting_reader(drafter).from_tokens == 32
+        assert passes["drafter"] and max(passes["drafter"]) < 32, "the drafter drafted"
 
 
 class _Timed(nn.Module):

@@ -15,6 +15,10 @@ is still being trained. The user's model is never changed. Tiered mode, sampling
 draft with the model as given: there the drafter's distribution shapes the output. A quantised copy reads
 prompts, and any pass over as many tokens as its twin was measured faster from, through that twin with the
 same weights dequantised (``drafting_reader``, :mod:`viasd_hf.models.quantization.reader`), made with the copy.
+So does a drafter its user quantised (a torchao model, or a bitsandbytes one before its first pass): it drafts
+as it is, and its twin, made on its first call, reads. A 4-bit kernel reading a long prompt is what made such a
+drafter slower than greedy on Spec-Bench's RAG prompts (docs/results.md). The twin costs the dequantised weights'
+memory; ``"as_loaded"`` keeps the drafter alone.
 """
 from __future__ import annotations
 
@@ -59,9 +63,10 @@ def fastest_form(drafter: nn.Module) -> nn.Module:
         if drafter not in _COPIES:
             form = resolve_drafting_form(drafter).scheme if convertible(drafter) else None
             made = None if form is None or in_form(drafter, form) else converted(drafter, form)
-            reader = dequantized_twin(made) if made is not None else None  # before a first pass packs its weights
-            if reader is not None:
-                _READERS[made] = Reader(reader, fewest_tokens_for_twin(made, reader))
+            drafting = drafter if made is None else made  # a drafter quantised by its user drafts as it is
+            twin = dequantized_twin(drafting)  # before a first pass packs a bitsandbytes model's weights
+            if twin is not None:
+                _READERS[drafting] = Reader(twin, fewest_tokens_for_twin(drafting, twin))
             _COPIES[drafter] = made
         copy = _COPIES[drafter]
     return drafter if copy is None else copy
