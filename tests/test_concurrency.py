@@ -1,6 +1,6 @@
-"""One model serving several threads at once: VIA-SD (tiered and lossless), plain greedy ``generate`` and HF
-assisted generation on the same model objects give their single-threaded outputs, and neither a finished nor a
-failed call leaves anything on the model."""
+"""One model serving several threads at once: VIA-SD (tiered and lossless, one prompt or a batch), plain greedy
+``generate`` and HF assisted generation on the same model objects give their single-threaded outputs, and neither a
+finished nor a failed call leaves anything on the model."""
 
 from __future__ import annotations
 
@@ -54,6 +54,16 @@ class FailingStreamer(BaseStreamer):
         pass
 
 
+def batch_of_three(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Three rows cut from ``ids`` (all of it, all but 3 tokens, all but 5), left-padded, with their attention mask."""
+    rows = [ids[0], ids[0, 3:], ids[0, 5:]]
+    padded = torch.zeros((len(rows), ids.shape[1]), dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for i, row in enumerate(rows):
+        padded[i, ids.shape[1] - len(row) :], mask[i, ids.shape[1] - len(row) :] = row, 1
+    return {"input_ids": padded, "attention_mask": mask}
+
+
 def jobs(target, assistant):
     """Each kind of call, as a function of the prompt; its result or the exception it raised."""
     slim = RoutingMask.from_model(target, skip=[2])
@@ -68,6 +78,10 @@ def jobs(target, assistant):
         "viasd lossless, self-drafter": lambda ids: target.generate(ids, viasd_config=lossless, **GREEDY),
         "viasd lossless, failing streamer": lambda ids: target.generate(ids, viasd_config=lossless,
                                                                         streamer=FailingStreamer(), **GREEDY),
+        "viasd batch lossless, assistant": lambda ids: target.generate(
+            **batch_of_three(ids), assistant_model=assistant, viasd_config=lossless, **GREEDY),
+        "viasd batch tiered, self-drafter": lambda ids: target.generate(
+            **batch_of_three(ids), viasd_config=tiered_self, **GREEDY),
         "plain greedy": lambda ids: target.generate(ids, **GREEDY),
         "hf assisted": lambda ids: target.generate(ids, assistant_model=assistant, **GREEDY),
     }
