@@ -134,8 +134,11 @@ def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than
     read = switch.reading_cost(0.01, 250)
     assert read == pytest.approx(1.0)
     assert switch.reading_pays(read, 21) and not switch.reading_pays(read, 19)
-    switch.observe_tail(0.5)  # a batch's rows, finishing apart, lost half a second once per call
+    switch.observe_tail(True, 0.5)  # a speculating batch's rows, finishing apart, lost half a second once per call
     assert switch.reading_pays(read, 31) and not switch.reading_pays(read, 29)
+    switch.observe_tail(False, 0.3)  # rows stopping at different lengths: plain decoding's tail lost 0.3 s
+    assert switch.tail_cost() == pytest.approx(0.2), "speculation is charged only the tail plain decoding lacks"
+    assert switch.reading_pays(read, 25) and not switch.reading_pays(read, 23)
     switch.speculative = FadedMean(5.0, 1.0)  # speculation slower than plain decoding: no read pays
     assert not switch.reading_pays(0.0, 1000)
 
@@ -185,7 +188,8 @@ def test_a_batchs_switch_measures_only_blocks_of_the_full_batch(clock, monkeypat
     monkeypatch.setattr(SpeculationSwitch, "observe", lambda switch, *args, **kwargs: (
         observed.append(args), observe(switch, *args, **kwargs)))
     tails = []
-    monkeypatch.setattr(SpeculationSwitch, "observe_tail", lambda switch, seconds: tails.append(seconds))
+    monkeypatch.setattr(SpeculationSwitch, "observe_tail",
+                        lambda switch, speculated, seconds: tails.append(speculated))
     ids = torch.randint(2, 96, (3, 12), generator=torch.Generator().manual_seed(0))
     free = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, viasd_config=None,
                            eos_token_id=None, do_sample=False)[:, ids.shape[1] :]
@@ -196,7 +200,29 @@ def test_a_batchs_switch_measures_only_blocks_of_the_full_batch(clock, monkeypat
     first_left = min(entry["block"] for entry in stats.rows_left)
     assert 0 < first_left < stats.blocks, "a row left before the call ended"
     assert len(observed) == first_left - 1, "every block after the first (the prompts' pass) until a row left"
-    assert len(tails) == 1, "the blocks after a row left priced what finishing apart lost, once"
+    assert tails == [True], "the speculative blocks after a row left priced what finishing apart lost, once"
+
+
+def test_a_plain_batchs_tail_is_measured_too(clock, monkeypatch):
+    """Rows that stop at different lengths leave a tail in plain decoding as well: a call decoding plainly records
+    what its blocks after a row left lost, against which a speculating call's tail is priced (``tail_cost``)."""
+    target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)
+    enable_viasd(target)
+    clock.charge(target, 0.01)
+    monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: False)
+    tails = []
+    monkeypatch.setattr(SpeculationSwitch, "observe_tail",
+                        lambda switch, speculated, seconds: tails.append((speculated, seconds)))
+    ids = torch.randint(2, 96, (3, 12), generator=torch.Generator().manual_seed(0))
+    free = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, viasd_config=None,
+                           eos_token_id=None, do_sample=False)[:, ids.shape[1] :]
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=24,
+                          eos_token_id=int(free[0, 5]), pad_token_id=0, viasd_config=ViaSDConfig(use_slim=False),
+                          do_sample=False, return_dict_in_generate=True)
+    stats = out.viasd_stats
+    assert stats.plain_blocks == stats.blocks and min(entry["block"] for entry in stats.rows_left) < stats.blocks
+    assert len(tails) == 1 and tails[0][0] is False, "the plain blocks after a row left priced its tail, once"
+    assert tails[0][1] > 0, "blocks of fewer rows cost a full batch's pass for fewer tokens"
 
 
 def test_the_user_is_told_speculation_does_not_pay_only_where_it_measured_clearly_slower():

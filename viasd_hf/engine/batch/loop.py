@@ -98,8 +98,8 @@ class BatchedDecoder:
         self._first_tier_switch = len(self.controller.switches) if self.controller is not None else 0
         self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
         self.rows: Rows
-        # the seconds and tokens of the speculative blocks run once rows had left (``measures``)
-        self.tail_seconds, self.tail_tokens = 0.0, 0
+        # the seconds and tokens of the blocks run once rows had left (``measures``), speculative (True) or plain
+        self.tail = {True: [0.0, 0], False: [0.0, 0]}
         self.drafter_read = DrafterRead(self.switch)  # the drafter reads the prompts before its first draft
 
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
@@ -214,6 +214,8 @@ class BatchedDecoder:
             row.stats.plain_blocks += 1
         if self.measures():
             self.switch.observe(False, committed, time.perf_counter() - started)
+        else:
+            self.add_to_tail(False, time.perf_counter() - started, committed)
         self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
 
     def limits(self, slim_may_run: bool) -> list[int]:
@@ -344,8 +346,7 @@ class BatchedDecoder:
         if self.switch is not None and self.measures():
             self.switch.observe(True, committed, seconds, one_off=reading, cut_short=cut_short)
         elif self.switch is not None:
-            self.tail_seconds += seconds
-            self.tail_tokens += committed
+            self.add_to_tail(True, seconds, committed)
         if self.controller is not None:
             self.controller.observe(BlockCost(
                 slim=wants_slim, seconds=seconds, tokens=committed, slim_seconds=blocks[0].seconds["slim"],
@@ -353,12 +354,17 @@ class BatchedDecoder:
                 drafter_seconds=drafting if draft.forwards else 0.0, drafter_passes=draft.forwards,
             ))
 
+    def add_to_tail(self, speculated: bool, seconds: float, tokens: int) -> None:
+        self.tail[speculated][0] += seconds
+        self.tail[speculated][1] += tokens
+
     def observe_tail(self) -> None:
-        """Tell the switch what this call's tail lost: its speculative blocks once rows had left, beyond what their
-        tokens take at the full batch's speculative pace (``SpeculationSwitch.observe_tail``)."""
-        pace = self.switch.speculative.mean()
-        if self.tail_seconds and pace:
-            self.switch.observe_tail(self.tail_seconds - self.tail_tokens / pace)
+        """Tell the switch what this call's tail lost in each regime that ran it: its blocks once rows had left,
+        beyond what their tokens take at the full batch's pace in that regime (``SpeculationSwitch.observe_tail``)."""
+        for speculated, (seconds, tokens) in self.tail.items():
+            pace = (self.switch.speculative if speculated else self.switch.plain).mean()
+            if seconds and pace:
+                self.switch.observe_tail(speculated, seconds - tokens / pace)
 
     def record_draft(self, passes: int, seconds: float) -> None:
         self.stats.record_draft(passes, seconds)
