@@ -42,7 +42,7 @@ finished every row together. At B = 8 on GSM8K (AMX Xeon) speculative blocks of 
 than the blocks saved. What a call's tail lost is measured (``observe_tail``) and priced with the read,
 net of the tail plain decoding has where rows stop at different lengths (Spec-Bench's answers run from
 10 to 128 tokens: there plain decoding's last rows decode alone too, and charging speculation with the
-whole of its tail kept batches of four plain where speculating paid).
+whole of its tail kept batches of eight plain where speculating paid).
 """
 
 from __future__ import annotations
