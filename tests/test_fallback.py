@@ -176,13 +176,25 @@ def test_a_call_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not
     assert long.drafter_forwards > 0 and long.speculation_verdict.startswith("speculating")
 
 
+def batch_with_a_row_ending_early(clock, max_new_tokens: int, ending_at: int):
+    """A batch of three whose first row stops at its ``ending_at``-th token (its EOS), drafted by a copy of the target
+    (every draft accepted), a target pass costing 0.01 s: the call's ``viasd_stats``."""
+    target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)
+    enable_viasd(target)
+    clock.charge(target, 0.01)
+    ids = torch.randint(2, 96, (3, 12), generator=torch.Generator().manual_seed(0))
+    free = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, viasd_config=None,
+                           eos_token_id=None, do_sample=False)[:, ids.shape[1] :]
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter,
+                          max_new_tokens=max_new_tokens, eos_token_id=int(free[0, ending_at]), pad_token_id=0,
+                          viasd_config=ViaSDConfig(use_slim=False), do_sample=False, return_dict_in_generate=True)
+    return out.viasd_stats
+
+
 def test_a_batchs_switch_measures_only_blocks_of_the_full_batch(clock, monkeypatch):
     """Rows leave a batch as they finish, so a block commits fewer tokens later in a call whichever regime runs it:
     the switch, remembered for this batch size, learns from the blocks every row took part in; once a row has
     left the regime it chose goes on without probes, and what those blocks lost is priced once, at the call's end."""
-    target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)
-    enable_viasd(target)
-    clock.charge(target, 0.01)
     observed = []
     observe = SpeculationSwitch.observe
     monkeypatch.setattr(SpeculationSwitch, "observe", lambda switch, *args, **kwargs: (
@@ -190,13 +202,7 @@ def test_a_batchs_switch_measures_only_blocks_of_the_full_batch(clock, monkeypat
     tails = []
     monkeypatch.setattr(SpeculationSwitch, "observe_tail",
                         lambda switch, speculated, seconds: tails.append(speculated))
-    ids = torch.randint(2, 96, (3, 12), generator=torch.Generator().manual_seed(0))
-    free = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, viasd_config=None,
-                           eos_token_id=None, do_sample=False)[:, ids.shape[1] :]
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=40,
-                          eos_token_id=int(free[0, 15]), pad_token_id=0, viasd_config=ViaSDConfig(use_slim=False),
-                          do_sample=False, return_dict_in_generate=True)
-    stats = out.viasd_stats
+    stats = batch_with_a_row_ending_early(clock, max_new_tokens=40, ending_at=15)
     first_left = min(entry["block"] for entry in stats.rows_left)
     assert 0 < first_left < stats.blocks, "a row left before the call ended"
     assert len(observed) == first_left - 1, "every block after the first (the prompts' pass) until a row left"
@@ -206,20 +212,11 @@ def test_a_batchs_switch_measures_only_blocks_of_the_full_batch(clock, monkeypat
 def test_a_plain_batchs_tail_is_measured_too(clock, monkeypatch):
     """Rows that stop at different lengths leave a tail in plain decoding as well: a call decoding plainly records
     what its blocks after a row left lost, against which a speculating call's tail is priced (``tail_cost``)."""
-    target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)
-    enable_viasd(target)
-    clock.charge(target, 0.01)
     monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: False)
     tails = []
     monkeypatch.setattr(SpeculationSwitch, "observe_tail",
                         lambda switch, speculated, seconds: tails.append((speculated, seconds)))
-    ids = torch.randint(2, 96, (3, 12), generator=torch.Generator().manual_seed(0))
-    free = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, viasd_config=None,
-                           eos_token_id=None, do_sample=False)[:, ids.shape[1] :]
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=24,
-                          eos_token_id=int(free[0, 5]), pad_token_id=0, viasd_config=ViaSDConfig(use_slim=False),
-                          do_sample=False, return_dict_in_generate=True)
-    stats = out.viasd_stats
+    stats = batch_with_a_row_ending_early(clock, max_new_tokens=24, ending_at=5)
     assert stats.plain_blocks == stats.blocks and min(entry["block"] for entry in stats.rows_left) < stats.blocks
     assert len(tails) == 1 and tails[0][0] is False, "the plain blocks after a row left priced its tail, once"
     assert tails[0][1] > 0, "blocks of fewer rows cost a full batch's pass for fewer tokens"
