@@ -400,9 +400,8 @@ class AtFourteenTokens(StoppingCriteria):
 
 @pytest.mark.parametrize("request_, match", [
     ({"streamer": RecordingStreamer()}, "RecordingStreamer only supports batch size 1"),
-    ({"do_sample": True, "num_return_sequences": 2, "viasd_config": "drafter_context"},
-     "3 prompts x num_return_sequences=2"),
-    ({"viasd_config": "drafter_context"}, "drafter_context=None"),
+    ({"do_sample": True, "num_return_sequences": 2, "eos_token_id": None,
+      "stopping_criteria": StoppingCriteriaList([AtFourteenTokens()])}, "3 prompts x num_return_sequences=2"),
     ({"right_padded": True}, "left-padded.*padding_side='left'"),
     ({"eos_token_id": None, "stopping_criteria": StoppingCriteriaList([AtFourteenTokens()])}, "set eos_token_id"),
 ])
@@ -413,7 +412,7 @@ def test_unsupported_requests_are_refused_with_the_fix(pair, request_, match):
     ids, mask = left_padded(rows)
     if request_.pop("right_padded", False):
         ids, mask = ids.flip(-1), mask.flip(-1)
-    config = {"tiered": ViaSDConfig(mode="tiered", use_slim=False), "drafter_context": ViaSDConfig(drafter_context=8),
+    config = {"tiered": ViaSDConfig(mode="tiered", use_slim=False),
               None: ViaSDConfig(use_slim=False)}[request_.pop("viasd_config", None)]
     kwargs = {"assistant_model": assistant, "max_new_tokens": 4, "return_dict_in_generate": True} | GREEDY | request_
     with pytest.raises(ValueError, match=match):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import replace
 
 import pytest
 import torch
@@ -527,8 +526,8 @@ def test_mixin_on_a_model_class(masks):
 def test_clear_errors_for_unsupported_requests(pair, masks):
     target, assistant = pair
     config = ViaSDConfig(mode="tiered", routing_mask=masks[0])
-    with pytest.raises(ValueError, match="batch of 2.*drafter_context=None"):
-        viasd(target, torch.cat([prompt(0), prompt(1)]), replace(config, drafter_context=4), drafter=assistant)
+    with pytest.raises(ValueError, match="only supports batch size 1.*batch of 2"):
+        viasd(target, torch.cat([prompt(0), prompt(1)]), config, drafter=assistant, viasd_streamer=RecordingStreamer())
     other_vocab = tiny_causal_lm("llama", seed=1, dtype=torch.float64, vocab_size=VOCAB + 8)
     with pytest.raises(ValueError, match="shares the target's tokenizer"):
         viasd(target, prompt(0), config, drafter=other_vocab)

@@ -97,3 +97,31 @@ def test_a_windowed_drafter_keeps_measurements_of_its_own(pair):
     _, model = pair
     whole, windowed = (AssistantDrafter(model, LogitsProcessorList(), None, context=c) for c in (None, 256))
     assert drafter_identity(whole) != drafter_identity(windowed)
+
+
+@pytest.mark.parametrize("context", [1, 6, 14])
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_batch_with_a_windowed_drafter_is_lossless_and_reads_each_row_windowed(pair, context, lookup, monkeypatch):
+    from viasd_hf.engine.batch.drafting import BatchAssistant
+
+    target, drafter = pair
+    rows = [prompt(context + n, n) if not lookup else prompt(context + n, n // 3).repeat(1, 3) for n in (21, 9, 15)]
+    width = max(row.shape[1] for row in rows)
+    ids = torch.cat([torch.nn.functional.pad(row, (width - row.shape[1], 0)) for row in rows])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(row), (width - row.shape[1], 0)) for row in rows])
+    reads = []  # each read: every row's tokens then, the positions the drafter skipped, and what its cache holds
+    read = BatchAssistant.read
+    monkeypatch.setattr(BatchAssistant, "read", lambda self, rows: (read(self, rows), reads.append((
+        [len(row.tokens()) for row in rows.active], list(self.skipped), self.cache.lengths().tolist())))[0])
+    config = ViaSDConfig(mode="lossless", use_slim=False, drafter_context=context, plain_fallback=False)
+    extra = {"prompt_lookup_num_tokens": 3} if lookup else {}
+    out = target.generate(ids, attention_mask=mask, custom_generate=viasd_generate, viasd_config=config,
+                          assistant_model=drafter, max_new_tokens=16, viasd_check_invariants=True,
+                          return_dict_in_generate=True, **GREEDY, **extra)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=16, **GREEDY)
+    assert torch.equal(out.sequences, expected)
+    assert out.viasd_stats.drafter_forwards and out.viasd_stats.drafted_tokens, "the assistant drafted"
+    lengths, skipped, held = reads[0]
+    assert [window.stop - window.start for window in skipped] == [max(n - context, 0) for n in lengths], (
+        "each row's first read skipped all but its sinks and latest tokens, drafter_context in all")
+    assert held == [min(n, context) - 1 for n in lengths], "the read fed the window but its newest token"

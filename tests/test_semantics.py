@@ -4,7 +4,6 @@ outputs get what ``generate`` gives them, and unsupported or malformed requests 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -254,9 +253,9 @@ def test_beams_are_named_and_sampled_copies_of_a_prompt_decode_as_a_batch(target
     config = ViaSDConfig(mode="tiered", routing_mask=mask)
     with pytest.raises(ValueError, match="num_beams=2"):
         viasd(target, prompt(0), config, drafter=assistant, num_beams=2)
-    with pytest.raises(ValueError, match="1 prompt x num_return_sequences=3.*drafter_context=None"):
-        viasd(target, prompt(0), replace(config, drafter_context=4), drafter=assistant, num_return_sequences=3,
-              do_sample=True)
+    with pytest.raises(ValueError, match="1 prompt x num_return_sequences=3.*set eos_token_id"):
+        viasd(target, prompt(0), config, drafter=assistant, num_return_sequences=3, do_sample=True,
+              stopping_criteria=StoppingCriteriaList([RecordingCriteria(4)]))
     out = viasd(target, prompt(0), config, drafter=assistant, num_return_sequences=3, do_sample=True)
     assert out.sequences.shape[0] == 3 and out.viasd_stats.batch_size == 3
     with pytest.raises(ValueError, match="num_return_sequences"):  # generate's own refusal of greedy copies

@@ -274,7 +274,7 @@ def generate_batch(
     """``viasd_generate`` for more than one prompt: batched lossless VIA-SD, greedy or sampling (``viasd_hf.engine.batch``). Rows
     that finish early are padded with ``pad_token_id``, as ``generate`` pads them; ``viasd_stats`` holds the totals
     and one ``ViaSDStats`` per row (``BatchViaSDStats``)."""
-    check_batch_supported(model, input_ids, generation_config, config, drafter, streamer, stopping_criteria, model_kwargs)
+    check_batch_supported(model, input_ids, generation_config, drafter, streamer, stopping_criteria, model_kwargs)
     do_sample = bool(generation_config.do_sample)
     drafter = drafter_for_call(drafter, config, do_sample)
     if drafter is not None:
@@ -292,7 +292,8 @@ def generate_batch(
         self_drafting = (model, resolve_mask(config.self_draft_mask, model, "self-drafter"))
     chosen = batch_drafter(drafter, lookup, logits_processor, config.draft_confidence_threshold,
                            end_tokens(generation_config), target_cache,
-                           drafting_reader(drafter) if drafter is not None else None, self_drafting)
+                           drafting_reader(drafter) if drafter is not None else None, self_drafting,
+                           config.drafter_context)
     rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
     keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)

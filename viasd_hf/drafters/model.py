@@ -109,6 +109,16 @@ class _ModelDrafter:
         return draft
 
 
+def unread_window(length: int, context: int | None) -> slice:
+    """The positions a drafter that reads at most ``context`` of a sequence's first ``length`` tokens never feeds:
+    those between the first ``ATTENTION_SINK_TOKENS`` and the latest ones (the last is always read); none where the
+    whole sequence fits, or without a ``context``."""
+    if context is None or length <= context:
+        return slice(0, 0)
+    sinks = min(ATTENTION_SINK_TOKENS, context - 1)
+    return slice(sinks, length - (context - sinks))
+
+
 @dataclass(frozen=True)
 class Reader:
     """A quantised drafting copy's twin, the same weights dequantised (``models.quantization.reader``), and the fewest
@@ -156,11 +166,10 @@ class AssistantDrafter(_ModelDrafter):
         self.skipped = slice(0, 0)  # the prompt positions never fed
 
     def prefill(self, ids: torch.Tensor) -> int:
-        prompt = ids.shape[-1]
-        if self.context is not None and not self.processed and prompt > self.context and self._unpadded(ids):
-            sinks = min(ATTENTION_SINK_TOKENS, self.context - 1)  # the prompt's last token is always read
-            self.skipped = slice(sinks, prompt - (self.context - sinks))
-            self.inputs = ModelInputs()  # no padding: positions simply count the tokens fed
+        if self.context is not None and not self.processed and self._unpadded(ids):
+            self.skipped = unread_window(ids.shape[-1], self.context)
+            if self.skipped.stop:
+                self.inputs = ModelInputs()  # no padding: positions simply count the tokens fed
         unread = self._pending(ids)
         if not unread.shape[1]:
             return 0

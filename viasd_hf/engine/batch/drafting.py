@@ -25,7 +25,7 @@ from viasd_hf.drafters import (
     drafted_token,
     kept_prefix,
 )
-from viasd_hf.drafters.model import Reader, reading_model
+from viasd_hf.drafters.model import Reader, reading_model, unread_window
 from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
@@ -60,7 +60,10 @@ class BatchDraft:
 
 class BatchDrafter(Protocol):
     name: str
-    reads: bool  # whether it reads the rows into a cache of its own before its first draft (``read``)
+
+    def unread(self, rows: Rows) -> int:
+        """The columns its ``read`` would compute now (every row's tokens it has not read, padded to the longest): 0
+        for a drafter with no cache of its own to fill."""
 
     def read(self, rows: Rows) -> int:
         """Read what each active row committed and it has not read, but the row's newest token (which opens the next
@@ -144,24 +147,45 @@ class BatchAssistant(_BatchModelDrafting):
     ``fed[r]`` lists the tokens of row ``r`` the cache holds, in order: its committed tokens, then the
     drafts fed since. After a block, the drafts the row did not commit are forgotten
     (``RaggedCache.forget_last``); the newest committed token is always fed with the next draft.
+
+    With ``context`` (``ViaSDConfig.drafter_context``) each row is read as ``AssistantDrafter`` reads one
+    sequence: at most that many of the tokens it has when first read, its attention sinks and the latest
+    ones; the tokens between (``skipped[r]``) are never fed, and positions run on without them.
     """
 
     name = "assistant"
-    reads = True
 
     def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None,
-                 end_tokens: frozenset[int], rows: int, device: torch.device, reader: Reader | None = None) -> None:
+                 end_tokens: frozenset[int], rows: int, device: torch.device, reader: Reader | None = None,
+                 context: int | None = None) -> None:
         self.model = model
         self.reader = reader  # the same model for long passes (a quantised copy's dequantised twin), if any
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
         self.end_tokens = end_tokens
+        self.context = context
         self.cache = RaggedCache(model.config, rows, device)
         self.fed: list[list[int]] = [[] for _ in range(rows)]
+        self.skipped: list[slice | None] = [None] * rows  # each row's positions never fed, set when first read
+
+    def _window(self, i: int, row: Row) -> slice:
+        """The positions of row ``i`` this drafter skips: fixed when the row is first read."""
+        skipped = self.skipped[i]
+        return skipped if skipped is not None else unread_window(len(row.tokens()), self.context)
+
+    def _seen(self, i: int, row: Row) -> list[int]:
+        """Row ``i``'s tokens but those it skips: what this drafter's cache holds of it, in order."""
+        tokens, skipped = row.tokens(), self._window(i, row)
+        return tokens[: skipped.start] + tokens[skipped.stop :]
+
+    def unread(self, rows: Rows) -> int:
+        unread = [len(self._seen(i, row)) - 1 - len(fed) for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
+        return len(unread) * max(max(unread, default=0), 0)
 
     @torch.no_grad()
     def read(self, rows: Rows) -> int:
-        feeds = [row.tokens()[len(fed) : -1] for row, fed in zip(rows.active, self.fed)]
+        self.skipped = [self._window(i, row) for i, row in enumerate(rows.active)]
+        feeds = [self._seen(i, row)[len(fed) : -1] for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
         if not any(feeds):
             return 0
         tokens, real = right_padded(feeds, self.cache.mask.device)
@@ -174,7 +198,8 @@ class BatchAssistant(_BatchModelDrafting):
     def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
               keep_drafting: KeepDraftingRows | None) -> BatchDraft:
         """One pass per drafted token for all rows; the first also feeds what each row committed since its last."""
-        feeds = [row.tokens()[len(fed) :] for row, fed in zip(rows.active, self.fed)]
+        self.skipped = [self._window(i, row) for i, row in enumerate(rows.active)]
+        feeds = [self._seen(i, row)[len(fed) :] for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
         return self._drafted(rows, feeds, limits, rng, keep_drafting)
 
     def _pass(self, feeds: list[list[int]]) -> torch.Tensor:
@@ -189,8 +214,8 @@ class BatchAssistant(_BatchModelDrafting):
 
     def commit(self, rows: Rows) -> None:
         forget = []
-        for row, fed in zip(rows.active, self.fed):
-            keep = kept_prefix(fed, row.tokens())
+        for i, (row, fed) in enumerate(zip(rows.active, self.fed)):
+            keep = kept_prefix(fed, self._seen(i, row))
             forget.append(len(fed) - keep)
             del fed[keep:]
         self.cache.forget_last(torch.tensor(forget, device=self.cache.mask.device))
@@ -198,6 +223,7 @@ class BatchAssistant(_BatchModelDrafting):
     def select(self, staying: torch.Tensor) -> None:
         self.cache.select(staying.to(self.cache.mask.device))
         self.fed = [self.fed[i] for i in staying.tolist()]
+        self.skipped = [self.skipped[i] for i in staying.tolist()]
 
     def tidy(self) -> None:
         self.cache.compact_if_worth_it()
@@ -213,7 +239,6 @@ class BatchSelfDrafter(_BatchModelDrafting):
     has nothing of its own to read, forget or compact: the decoder keeps the target's cache."""
 
     name = "self"
-    reads = False
     compactions = 0
 
     def __init__(self, model: nn.Module, mask: RoutingMask, target: RaggedCache, logits_processor: LogitsProcessorList,
@@ -225,6 +250,9 @@ class BatchSelfDrafter(_BatchModelDrafting):
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
         self.end_tokens = end_tokens
+
+    def unread(self, rows: Rows) -> int:
+        return 0
 
     def read(self, rows: Rows) -> int:
         return 0
@@ -256,10 +284,12 @@ class BatchLookup:
     """Prompt lookup, row by row: each row copies from its own sequence (without its padding); nothing is cached."""
 
     name = "prompt_lookup"
-    reads = False
 
     def __init__(self, lookup: PromptLookupDrafter) -> None:
         self.lookup = lookup
+
+    def unread(self, rows: Rows) -> int:
+        return 0
 
     def read(self, rows: Rows) -> int:
         return 0
@@ -286,11 +316,13 @@ class BatchHybrid:
     passes run only when some row has nothing to copy (and then feed every row what it committed)."""
 
     name = "hybrid"
-    reads = True
 
     def __init__(self, lookup: BatchLookup, assistant: BatchAssistant) -> None:
         self.lookup = lookup
         self.assistant = assistant
+
+    def unread(self, rows: Rows) -> int:
+        return self.assistant.unread(rows)
 
     def read(self, rows: Rows) -> int:
         return self.assistant.read(rows)
@@ -322,10 +354,10 @@ class BatchHybrid:
 def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter | None,
                   logits_processor: LogitsProcessorList, confidence_threshold: float | None, end_tokens: frozenset[int],
                   target: RaggedCache, reader: Reader | None = None,
-                  self_drafting: tuple[nn.Module, RoutingMask] | None = None) -> BatchDrafter:
-    """The assistant model (reading the prompts through ``reader`` where there is one), prompt lookup (``lookup``, as
-    a single sequence would copy), or both; without either, the target routed with its self-drafting mask
-    (``self_drafting``: the model and the mask) on its cache ``target``."""
+                  self_drafting: tuple[nn.Module, RoutingMask] | None = None, context: int | None = None) -> BatchDrafter:
+    """The assistant model (reading the prompts through ``reader`` where there is one, at most ``context`` tokens of
+    each), prompt lookup (``lookup``, as a single sequence would copy), or both; without either, the target routed
+    with its self-drafting mask (``self_drafting``: the model and the mask) on its cache ``target``."""
     batch_lookup = BatchLookup(lookup) if lookup is not None else None
     if assistant_model is None:
         if batch_lookup is not None:
@@ -335,5 +367,6 @@ def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter
                              "ViaSDConfig(self_draft_mask=...)")
         return BatchSelfDrafter(*self_drafting, target, logits_processor, confidence_threshold, end_tokens)
     rows, device = target.mask.shape[0], target.mask.device
-    assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device, reader)
+    assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device, reader,
+                               context)
     return assistant if batch_lookup is None else BatchHybrid(batch_lookup, assistant)

@@ -84,8 +84,10 @@ class BatchedDecoder:
         self.batch_size = target.mask.shape[0]
         sampling = rng is not None
         self.stats = BatchViaSDStats()
-        # a pass over B rows costs differently from a single sequence's, and from one over another number of rows
-        key = (drafter.name, id(drafter_model), "batch", self.batch_size)
+        # a pass over B rows costs differently from a single sequence's, and from one over another number of rows; an
+        # assistant reading part of each prompt drafts differently from one reading all of it
+        context = config.drafter_context if drafter_model is not None else None
+        key = (drafter.name, id(drafter_model), context, "batch", self.batch_size)
         chooses_tier = config.adaptive and slim_mask is not None
         self.controller = tier_choice(model, slim_mask, key, config, sampling) if chooses_tier else None
         self.planner_key = planner_key(key, slim_mask, config, sampling) if config.adaptive else None
@@ -134,11 +136,8 @@ class BatchedDecoder:
             row.stats.plain_blocks += 1
 
     def unread_tokens(self) -> int:
-        """The columns the drafter's read would compute: every row's tokens it has not read, the newest but one, padded
-        to the longest."""
-        if self.drafter_read.done or not self.drafter.reads:
-            return 0
-        return len(self.rows) * max(row.length - row.padding - 1 for row in self.rows.active)
+        """The columns the drafter's read would compute (``BatchDrafter.unread``), until it has read."""
+        return 0 if self.drafter_read.done else self.drafter.unread(self.rows)
 
     def read_drafts(self) -> float:
         """The drafter reads what the rows committed and it has not read; the seconds it took."""

@@ -18,7 +18,6 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
-from viasd_hf.config import ViaSDConfig
 from viasd_hf.engine.kv_cache import check_empty, full_attention_only, new_cache
 from viasd_hf.masks.architectures import is_encoder_decoder, model_config
 
@@ -30,8 +29,8 @@ Refuse = Callable[[str, str], NoReturn]  # (what is not supported, the fix) -> r
 
 
 def check_batch_supported(
-    model: nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig, config: ViaSDConfig,
-    drafter: nn.Module | None, streamer: Any, stopping_criteria: StoppingCriteriaList, model_kwargs: dict[str, Any],
+    model: nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig, drafter: nn.Module | None,
+    streamer: Any, stopping_criteria: StoppingCriteriaList, model_kwargs: dict[str, Any],
 ) -> None:
     """Refuse, naming what is supported and the fix, what batched VIA-SD does not do (yet)."""
     batch = f"a batch of {input_ids.shape[0]}"
@@ -49,9 +48,6 @@ def check_batch_supported(
                          f"to decode {batch}")
     if is_encoder_decoder(model):
         refuse("batched VIA-SD does not decode encoder-decoder models", ONE_AT_A_TIME)
-    if config.drafter_context is not None:
-        refuse(f"batched VIA-SD drafts from the whole prompt (drafter_context={config.drafter_context})",
-               f"use drafter_context=None, {ONE_AT_A_TIME}")
     check_empty(model_kwargs.get("cache"))
     check_padding(input_ids, model_kwargs, refuse)
     check_stopping(stopping_criteria, refuse)
