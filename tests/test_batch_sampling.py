@@ -32,6 +32,7 @@ from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.drafters import PromptLookupDrafter
 from viasd_hf.engine.batch import BatchedDecoder, RaggedCache, batch_drafter
 from viasd_hf.engine.sampling import RandomStream
+from viasd_hf.vocabulary.head import SubsetHead
 
 ROWS = [PROMPT, LOOKUP_PROMPT]  # 5 and 7 tokens: the first row is left-padded; the second's bigram recurs
 FORCED = 7  # every row's first new token; after it the second row's trailing bigram (2, 7) still recurs
@@ -52,9 +53,10 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def sample_batch(models, config: ViaSDConfig, seed: int, lookup: bool, stats: list,
-                 self_drafting: bool = False) -> list[tuple[int, ...]]:
+                 self_drafting: bool = False, head: SubsetHead | None = None) -> list[tuple[int, ...]]:
     """Three new tokens for every row of the batch, the first forced, drawn with the call's seed; each row's last two.
-    ``self_drafting``: the target routed with the models' mask drafts instead of the assistant."""
+    ``self_drafting``: the target routed with the models' mask drafts instead of the assistant; ``head``: the
+    assistant drafts over a draft vocabulary."""
     target, drafter, routing = models
     drafter = None if self_drafting else drafter
     ids, mask = left_padded([row[0] for row in ROWS])
@@ -62,7 +64,7 @@ def sample_batch(models, config: ViaSDConfig, seed: int, lookup: bool, stats: li
     forcing = LogitsProcessorList([FirstToken(ids.shape[1]), *processors()])
     cache = RaggedCache(target.config, len(ROWS), ids.device)
     chosen = batch_drafter(drafter, PromptLookupDrafter(3) if lookup else None, forcing, None, frozenset(), cache,
-                           self_drafting=(target, routing) if self_drafting else None)
+                           self_drafting=(target, routing) if self_drafting else None, head=head)
     decoder = BatchedDecoder(target, chosen, drafter, config, config.routing_mask if config.use_slim else None,
                              forcing, StoppingCriteriaList(), ids.shape[1] + 3, cache,
                              RandomStream.from_global_seed(), check_invariants=True)  # fmt: skip
@@ -72,10 +74,10 @@ def sample_batch(models, config: ViaSDConfig, seed: int, lookup: bool, stats: li
     return [tuple(row.tokens()[-2:]) for row in rows.every_row()]
 
 
-def per_row_tv(models, config: ViaSDConfig, lookup: bool = False,
-               self_drafting: bool = False) -> tuple[list[float], list]:
+def per_row_tv(models, config: ViaSDConfig, lookup: bool = False, self_drafting: bool = False,
+               head: SubsetHead | None = None) -> tuple[list[float], list]:
     stats: list = []
-    draws = [sample_batch(models, config, seed, lookup, stats, self_drafting) for seed in range(N)]
+    draws = [sample_batch(models, config, seed, lookup, stats, self_drafting, head) for seed in range(N)]
     target = models[0]
     forced = torch.tensor([[FORCED]])
     return [total_variation(Counter(draw[i] for draw in draws),
@@ -110,6 +112,22 @@ def test_batched_lossless_sampling_drafted_by_the_self_drafter_is_exact_per_row(
     assert max(distances) < TV_BOUND, distances
     rows = [row for one in stats for row in one.rows]
     assert sum(row.drafted_tokens for row in rows) > sum(row.accepted_tokens for row in rows) > 0
+
+
+def test_batched_lossless_sampling_over_a_draft_vocabulary_is_exact_per_row(models, monkeypatch):
+    """The assistant proposes its processed softmax over half the tokens and hands exactly that proposal on."""
+    vocabulary = list(range(0, models[0].config.vocab_size, 2))
+    proposals = []
+    drawn = drafting.drafted_token
+    monkeypatch.setattr(drafting, "drafted_token", lambda *args: (
+        lambda chosen: proposals.append(chosen) or chosen)(drawn(*args)))
+    config = ViaSDConfig(mode="lossless", use_slim=False, adaptive=False)
+    distances, stats = per_row_tv(models, config, head=SubsetHead(models[1], vocabulary))
+    assert max(distances) < TV_BOUND, distances
+    drafted = [chosen for chosen in proposals if chosen is not None]
+    assert drafted and all(token in vocabulary for token, _ in drafted)
+    outside = [token for token in range(models[0].config.vocab_size) if token not in vocabulary]
+    assert all(float(probs[outside].sum()) == 0.0 for _, probs in drafted), "no proposal mass outside the vocabulary"
 
 
 def test_the_per_row_bound_catches_a_proposal_the_drafter_did_not_draw_from(models, monkeypatch):

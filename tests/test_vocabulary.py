@@ -10,7 +10,7 @@ import pytest
 import torch
 from hub_server import serve
 from huggingface_hub import constants
-from test_sampling import N, TV_BOUND, exact_two_token_distribution, next_probs, processors, total_variation
+from test_sampling import TV_BOUND, N, exact_two_token_distribution, next_probs, processors, total_variation
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from conftest import VOCAB, tiny_causal_lm
@@ -295,3 +295,33 @@ def test_ranking_coverage_and_the_choice_of_size():
     assert choose_size({2: 0.99, 4: 1.0}, {2: 0.5, 4: 0.6}, block=5)[0] == 2
     with pytest.raises(ValueError, match="no held-out tokens"):
         coverage(ranking, [], [2])
+
+
+@pytest.mark.parametrize("drafting", ["assistant", "self", "hybrid"])
+def test_a_batch_drafts_over_the_vocabulary_and_stays_lossless(drafting, monkeypatch):
+    """Every row's drafts come from the vocabulary, through the sliced head run on each row's newest column; every
+    row stays generate's own."""
+    from test_batch import left_padded, prompts
+
+    import viasd_hf.engine.batch.drafting as batch_drafting
+
+    target = enable_viasd(tiny_causal_lm("llama"))
+    drafted, spread_rows = [], []
+    chosen_by = batch_drafting.drafted_token
+    monkeypatch.setattr(batch_drafting, "drafted_token", lambda scores, *args: (
+        lambda chosen: drafted.append(chosen[0]) or chosen if chosen is not None else None)(chosen_by(scores, *args)))
+    spread = SubsetHead.spread
+    monkeypatch.setattr(SubsetHead, "spread", lambda self, hidden: spread_rows.append(hidden.shape[0]) or spread(self, hidden))
+    config = ViaSDConfig(use_slim=False, adaptive=False, vocabulary=vocabulary_for(target),
+                         self_draft_mask=RoutingMask.from_model(target, skip=[1, 3, 4]))
+    kwargs: dict = {"assistant_model": tiny_causal_lm("llama", seed=3)} if drafting != "self" else {}
+    if drafting == "hybrid":
+        kwargs["prompt_lookup_num_tokens"] = 3
+    ids, mask = left_padded(prompts(5, repeat=drafting == "hybrid"))
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                                viasd_config=None)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                          viasd_config=config, viasd_check_invariants=True, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, reference)
+    assert drafted and all(token in EVEN for token in drafted), "every model-drafted token is in the vocabulary"
+    assert spread_rows and max(spread_rows) == ids.shape[0], "the sliced head ran once per drafting pass, a row each"

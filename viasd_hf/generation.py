@@ -52,7 +52,7 @@ from viasd_hf.masks.architectures import base_model, is_encoder_decoder, model_c
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.resolver import resolve_mask, resolve_slim_masks
 from viasd_hf.vocabulary.head import SubsetHead
-from viasd_hf.vocabulary.lookup import resolve_vocabulary, tier_heads
+from viasd_hf.vocabulary.lookup import tier_heads
 
 
 @dataclass
@@ -221,9 +221,9 @@ def viasd_generate(
                               viasd_streamer, viasd_check_invariants, model_kwargs)
     drafter = drafter_for_call(drafter, config, bool(generation_config.do_sample))
     state = initial_state(model, input_ids, model_kwargs)
-    drafting_model = drafter if drafter is not None else (None if generation_config.prompt_lookup_num_tokens else model)
-    vocabulary = resolve_vocabulary(config.vocabulary, model, _drafter_id(drafter))
-    drafter_head, slim_head = tier_heads(vocabulary, tuple(config.vocabulary_tiers), drafting_model, model)
+    copies = bool(generation_config.prompt_lookup_num_tokens)
+    drafter_head, slim_head = tier_heads(config.vocabulary, model, drafter, _drafter_id(drafter), copies,
+                                         tuple(config.vocabulary_tiers))
     chosen = build_drafter(model, config, generation_config, logits_processor, drafter, state.target_cache, drafter_head)
     slim_mask = None
     if config.use_slim:
@@ -290,10 +290,13 @@ def generate_batch(
     self_drafting = None
     if drafter is None and lookup is None:
         self_drafting = (model, resolve_mask(config.self_draft_mask, model, "self-drafter"))
+    drafting_tiers = tuple(tier for tier in config.vocabulary_tiers if tier == "drafter")  # a batch's slim tier: all
+    drafter_head, _ = tier_heads(config.vocabulary, model, drafter, _drafter_id(drafter), lookup is not None,
+                                 drafting_tiers)
     chosen = batch_drafter(drafter, lookup, logits_processor, config.draft_confidence_threshold,
                            end_tokens(generation_config), target_cache,
                            drafting_reader(drafter) if drafter is not None else None, self_drafting,
-                           config.drafter_context)
+                           config.drafter_context, drafter_head)
     rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
     keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)

@@ -64,10 +64,15 @@ class SubsetHead:
         return cached
 
     def logits(self, model: nn.Module, tokens: torch.Tensor, cache: Any, keep: int, **inputs: Any) -> torch.Tensor:
-        """Logits of the last ``keep`` of ``tokens``, one full-width row per token, −inf outside the vocabulary."""
-        body = base_model(model).get_decoder()
-        hidden = body(input_ids=tokens, cache=cache, use_cache=True, **inputs).last_hidden_state[0, -keep:]
-        return self.spread(hidden)
+        """Logits of the last ``keep`` of ``tokens`` (one sequence), one full-width row per token, −inf outside the
+        vocabulary."""
+        return self.spread(self.hidden(model, tokens, cache, **inputs)[0, -keep:])
+
+    @staticmethod
+    def hidden(model: nn.Module, tokens: torch.Tensor, cache: Any, **inputs: Any) -> torch.Tensor:
+        """The decoder body's last hidden states ``[rows, columns, hidden size]`` for ``tokens`` fed after ``cache``:
+        the model's pass without its LM head."""
+        return base_model(model).get_decoder()(input_ids=tokens, cache=cache, use_cache=True, **inputs).last_hidden_state
 
     def spread(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head on ``hidden`` (positions × hidden size) for the vocabulary's rows, in full-width rows."""

@@ -62,15 +62,20 @@ def clear_vocabulary_cache(model: nn.Module | None = None) -> None:
 
 
 def tier_heads(
-    vocabulary: DraftVocabulary | None, tiers: tuple[str, ...], drafter_model: nn.Module | None, target: nn.Module
+    spec: DraftVocabulary | str | os.PathLike | None, target: nn.Module, drafter: nn.Module | None, drafter_id: str,
+    copies: bool, tiers: tuple[str, ...],
 ) -> tuple[SubsetHead | None, SubsetHead | None]:
-    """The sliced heads of the drafter model (``None`` for a model-free drafter) and of the slim verifier,
-    for the tiers named in ``decisions``; ``(None, None)`` without a vocabulary."""
+    """The LM heads of the drafting model and of the slim verifier cut to the vocabulary ``spec`` names
+    (``resolve_vocabulary``), for the ``tiers`` named; ``None`` for a tier not named, and both without a
+    vocabulary. The drafting model is the assistant ``drafter``; without one, none where prompt lookup ``copies``,
+    else the target (the self-drafter)."""
+    vocabulary = resolve_vocabulary(spec, target, drafter_id)
     if vocabulary is None:
         return None, None
+    drafting_model = drafter if drafter is not None else (None if copies else target)
     drafter_head = None
-    if "drafter" in tiers and drafter_model is not None:
-        vocabulary.validate_rows(drafter_model)
-        drafter_head = SubsetHead(drafter_model, vocabulary.token_ids)
+    if "drafter" in tiers and drafting_model is not None:
+        vocabulary.validate_rows(drafting_model)
+        drafter_head = SubsetHead(drafting_model, vocabulary.token_ids)
     slim_head = SubsetHead(target, vocabulary.token_ids) if "slim" in tiers else None
     return drafter_head, slim_head

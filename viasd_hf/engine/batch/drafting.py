@@ -32,6 +32,7 @@ from viasd_hf.engine.batch.rows import Row, Rows
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.masks.layer_skipping import skipping
 from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.vocabulary.head import SubsetHead
 
 # each row's draft confidences so far and whether the row may go on -> does the batch draft one more column?
 KeepDraftingRows = Callable[[list[list[float]], list[bool]], bool]
@@ -60,6 +61,7 @@ class BatchDraft:
 
 class BatchDrafter(Protocol):
     name: str
+    head: SubsetHead | None  # the drafting model's LM head cut to a draft vocabulary, if any
 
     def unread(self, rows: Rows) -> int:
         """The columns its ``read`` would compute now (every row's tokens it has not read, padded to the longest): 0
@@ -90,11 +92,14 @@ class BatchDrafter(Protocol):
 
 class _BatchModelDrafting:
     """Drafting with a causal LM for every row at once, one batched pass per drafted token; subclasses say which model
-    runs on which cache (``_pass``)."""
+    runs on which cache (``_pass``). With ``head`` (a draft vocabulary) it proposes only the vocabulary's tokens, as
+    a single sequence's drafter does (``drafters.model``): each row's proposal is the processed softmax over the
+    vocabulary, so rejection sampling stays exact."""
 
     logits_processor: LogitsProcessorList
     confidence_threshold: float | None
     end_tokens: frozenset[int]
+    head: SubsetHead | None
 
     def _pass(self, feeds: list[list[int]]) -> torch.Tensor:
         """Run every row's ``feeds``; the logits of each row's newest real column, ``[rows, vocab]``."""
@@ -136,11 +141,6 @@ class _BatchModelDrafting:
         return self.confidence_threshold is None or draft.confidences[-1] >= self.confidence_threshold
 
 
-def newest_columns(logits: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Each row's logits at its last real column (``logits``: ``[rows, columns, vocab]``)."""
-    return logits[torch.arange(logits.shape[0], device=logits.device), real.sum(-1) - 1]
-
-
 class BatchAssistant(_BatchModelDrafting):
     """An assistant model drafting for every row in one pass per token, on a ``RaggedCache`` of its own.
 
@@ -157,13 +157,14 @@ class BatchAssistant(_BatchModelDrafting):
 
     def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None,
                  end_tokens: frozenset[int], rows: int, device: torch.device, reader: Reader | None = None,
-                 context: int | None = None) -> None:
+                 context: int | None = None, head: SubsetHead | None = None) -> None:
         self.model = model
         self.reader = reader  # the same model for long passes (a quantised copy's dequantised twin), if any
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
         self.end_tokens = end_tokens
         self.context = context
+        self.head = head
         self.cache = RaggedCache(model.config, rows, device)
         self.fed: list[list[int]] = [[] for _ in range(rows)]
         self.skipped: list[slice | None] = [None] * rows  # each row's positions never fed, set when first read
@@ -206,11 +207,10 @@ class BatchAssistant(_BatchModelDrafting):
         """A block's first pass feeds every row what it committed since its last draft: through the reader where that
         is as many tokens as the reader runs faster."""
         tokens, real = right_padded(feeds, self.cache.mask.device)
-        model = reading_model(self.model, self.reader, tokens.numel())
-        logits = self.cache.run(model, tokens, real, keep=tokens.shape[1])
+        logits = self.cache.newest(reading_model(self.model, self.reader, tokens.numel()), tokens, real, self.head)
         for fed, feed in zip(self.fed, feeds):
             fed.extend(feed)
-        return newest_columns(logits, real)
+        return logits
 
     def commit(self, rows: Rows) -> None:
         forget = []
@@ -242,7 +242,7 @@ class BatchSelfDrafter(_BatchModelDrafting):
     compactions = 0
 
     def __init__(self, model: nn.Module, mask: RoutingMask, target: RaggedCache, logits_processor: LogitsProcessorList,
-                 confidence_threshold: float | None, end_tokens: frozenset[int]) -> None:
+                 confidence_threshold: float | None, end_tokens: frozenset[int], head: SubsetHead | None = None) -> None:
         mask.validate_for(model)
         self.model = model
         self.skipped = mask.skipped_layers
@@ -250,6 +250,7 @@ class BatchSelfDrafter(_BatchModelDrafting):
         self.logits_processor = logits_processor
         self.confidence_threshold = confidence_threshold
         self.end_tokens = end_tokens
+        self.head = head
 
     def unread(self, rows: Rows) -> int:
         return 0
@@ -268,7 +269,7 @@ class BatchSelfDrafter(_BatchModelDrafting):
 
     def _pass(self, feeds: list[list[int]]) -> torch.Tensor:
         tokens, real = right_padded(feeds, self.target.mask.device)
-        return newest_columns(self.target.run(self.model, tokens, real, keep=tokens.shape[1]), real)
+        return self.target.newest(self.model, tokens, real, self.head)
 
     def commit(self, rows: Rows) -> None:
         """Nothing to forget: the provisional writes were cropped when drafting ended."""
@@ -284,6 +285,7 @@ class BatchLookup:
     """Prompt lookup, row by row: each row copies from its own sequence (without its padding); nothing is cached."""
 
     name = "prompt_lookup"
+    head = None
 
     def __init__(self, lookup: PromptLookupDrafter) -> None:
         self.lookup = lookup
@@ -321,6 +323,10 @@ class BatchHybrid:
         self.lookup = lookup
         self.assistant = assistant
 
+    @property
+    def head(self) -> SubsetHead | None:
+        return self.assistant.head
+
     def unread(self, rows: Rows) -> int:
         return self.assistant.unread(rows)
 
@@ -354,10 +360,12 @@ class BatchHybrid:
 def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter | None,
                   logits_processor: LogitsProcessorList, confidence_threshold: float | None, end_tokens: frozenset[int],
                   target: RaggedCache, reader: Reader | None = None,
-                  self_drafting: tuple[nn.Module, RoutingMask] | None = None, context: int | None = None) -> BatchDrafter:
+                  self_drafting: tuple[nn.Module, RoutingMask] | None = None, context: int | None = None,
+                  head: SubsetHead | None = None) -> BatchDrafter:
     """The assistant model (reading the prompts through ``reader`` where there is one, at most ``context`` tokens of
     each), prompt lookup (``lookup``, as a single sequence would copy), or both; without either, the target routed
-    with its self-drafting mask (``self_drafting``: the model and the mask) on its cache ``target``."""
+    with its self-drafting mask (``self_drafting``: the model and the mask) on its cache ``target``. ``head``: the
+    drafting model's LM head cut to a draft vocabulary."""
     batch_lookup = BatchLookup(lookup) if lookup is not None else None
     if assistant_model is None:
         if batch_lookup is not None:
@@ -365,8 +373,8 @@ def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter
         if self_drafting is None:
             raise ValueError("a batch needs a drafter: assistant_model=..., prompt_lookup_num_tokens=... or "
                              "ViaSDConfig(self_draft_mask=...)")
-        return BatchSelfDrafter(*self_drafting, target, logits_processor, confidence_threshold, end_tokens)
+        return BatchSelfDrafter(*self_drafting, target, logits_processor, confidence_threshold, end_tokens, head)
     rows, device = target.mask.shape[0], target.mask.device
     assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device, reader,
-                               context)
+                               context, head)
     return assistant if batch_lookup is None else BatchHybrid(batch_lookup, assistant)

@@ -85,9 +85,10 @@ class BatchedDecoder:
         sampling = rng is not None
         self.stats = BatchViaSDStats()
         # a pass over B rows costs differently from a single sequence's, and from one over another number of rows; an
-        # assistant reading part of each prompt drafts differently from one reading all of it
+        # assistant reading part of each prompt, or drafting over a vocabulary, drafts differently
         context = config.drafter_context if drafter_model is not None else None
-        key = (drafter.name, id(drafter_model), context, "batch", self.batch_size)
+        vocabulary = drafter.head.key if drafter.head is not None else None
+        key = (drafter.name, id(drafter_model), context, vocabulary, "batch", self.batch_size)
         chooses_tier = config.adaptive and slim_mask is not None
         self.controller = tier_choice(model, slim_mask, key, config, sampling) if chooses_tier else None
         self.planner_key = planner_key(key, slim_mask, config, sampling) if config.adaptive else None

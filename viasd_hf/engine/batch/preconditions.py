@@ -4,8 +4,8 @@ A batch (more than one prompt) decodes in lossless or tiered mode, greedily or s
 prompts (with their attention mask, or none when they have one length), drafted by an assistant model,
 prompt lookup, both, or the self-drafter. ``return_dict_in_generate`` returns the sequences, ``viasd_stats``
 and, where asked for, each new token's scores and logits, step by step as ``generate`` returns them
-(``rows.Rows.per_step``). With a ``MaskSet`` the slim tier runs its default mask. Draft vocabularies and the
-runner-up leaf are left out: they change only speed.
+(``rows.Rows.per_step``). With a ``MaskSet`` the slim tier runs its default mask. A draft vocabulary serves the
+drafter, not the slim tier, and the runner-up leaf is left out: they change only speed.
 """
 
 from __future__ import annotations

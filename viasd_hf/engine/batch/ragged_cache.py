@@ -34,6 +34,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from viasd_hf.engine.kv_cache import crop_to, new_cache, self_attention_layers
+from viasd_hf.vocabulary.head import SubsetHead
 
 COMPACT_SHARE = 0.25  # compact once the columns a compaction frees pass this share of the cache
 COMPACT_AT_LEAST = 16  # ... and at least this many: below it a gather of every layer costs more than it saves
@@ -74,6 +75,18 @@ class RaggedCache:
         output = model(tokens, cache=self.cache, use_cache=True, logits_to_keep=keep, **layout)
         self.mask = layout["attention_mask"]
         return output.logits
+
+    def newest(self, model: nn.Module, tokens: torch.Tensor, real: torch.Tensor,
+               head: SubsetHead | None = None) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of each row's newest real column of ``tokens``, fed as ``run`` feeds them (a
+        drafting pass). With ``head`` (a draft vocabulary) the LM head runs for those columns and the vocabulary's
+        rows only, −inf elsewhere."""
+        if head is None:
+            return newest_columns(self.run(model, tokens, real, keep=tokens.shape[1]), real)
+        layout = self.layout(real)
+        hidden = head.hidden(model, tokens, self.cache, **layout)
+        self.mask = layout["attention_mask"]
+        return head.spread(newest_columns(hidden, real))
 
     @contextmanager
     def provisional(self) -> Iterator[None]:
@@ -133,6 +146,11 @@ class RaggedCache:
 def _gathered(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``states`` ``[rows, heads, columns, dim]`` at each row's ``index`` columns."""
     return states.gather(2, index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1]))
+
+
+def newest_columns(states: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Each row's ``states`` (``[rows, columns, ...]``: logits or hidden states) at its last ``real`` column."""
+    return states[torch.arange(states.shape[0], device=states.device), real.sum(-1) - 1]
 
 
 def right_padded(feeds: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
