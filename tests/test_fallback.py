@@ -222,6 +222,21 @@ def test_a_plain_batchs_tail_is_measured_too(clock, monkeypatch):
     assert tails[0][1] > 0, "blocks of fewer rows cost a full batch's pass for fewer tokens"
 
 
+def test_a_tail_after_speculating_is_speculations_even_where_plain_blocks_ran_it(clock, monkeypatch):
+    """A call that speculated, then decoded plainly, has rows apart because its blocks kept different numbers of
+    drafts: the tail its plain blocks ran is booked to speculation, not credited to plain decoding (where it would
+    make speculation's own tail look smaller)."""
+    monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: switch.block < 1)  # one block, then plain
+    monkeypatch.setattr(SpeculationSwitch, "_other_is_faster", lambda switch: False)  # ... to the end, tail included
+    tails = []
+    monkeypatch.setattr(SpeculationSwitch, "observe_tail",
+                        lambda switch, speculated, seconds: tails.append((speculated, seconds)))
+    stats = batch_with_a_row_ending_early(clock, max_new_tokens=40, ending_at=30)
+    assert 0 < stats.plain_blocks < stats.blocks and stats.drafted_tokens, "it speculated, then decoded plainly"
+    assert min(entry["block"] for entry in stats.rows_left) < stats.blocks, "a row left before the call ended"
+    assert [speculated for speculated, _ in tails] == [True], "the tail, plain blocks and all, is speculation's"
+
+
 def test_the_user_is_told_speculation_does_not_pay_only_where_it_measured_clearly_slower():
     switch = SpeculationSwitch()
     assert not switch.clearly_loses(), "nothing measured"

@@ -18,9 +18,9 @@ The first block is plain and rides on the prompts' pass (``open``): the target r
 row its first token, as ``generate``'s first step does. Whether a later block drafts at all is the speculation
 switch's choice (``control.speculation_switch``), on the tokens per second measured while every row of the batch
 decodes (``measures``): where speculation does not pay, blocks decode one token per row in one full pass, as
-``generate``'s batched greedy decoding. Whether the slim tier runs is the tier controller's choice, fed each
-block's costs summed over its rows. Draft lengths come from the draft planner, asked row by row (``drafting``). The planner and controller are
-remembered per batch size, apart from single-sequence calls': a pass over more rows costs differently.
+``generate``'s batched greedy decoding. Whether the slim tier runs is the tier controller's choice, fed each block's
+costs summed over its rows. Draft lengths come from the draft planner, asked row by row (``drafting``). Planner and
+controller are remembered per batch size, apart from single-sequence calls': passes over more rows cost differently.
 """
 
 from __future__ import annotations
@@ -359,12 +359,14 @@ class BatchedDecoder:
         self.tail[speculated][1] += tokens
 
     def observe_tail(self) -> None:
-        """Tell the switch what this call's tail lost in each regime that ran it: its blocks once rows had left,
-        beyond what their tokens take at the full batch's pace in that regime (``SpeculationSwitch.observe_tail``)."""
-        for speculated, (seconds, tokens) in self.tail.items():
-            pace = (self.switch.speculative if speculated else self.switch.plain).mean()
-            if seconds and pace:
-                self.switch.observe_tail(speculated, seconds - tokens / pace)
+        """Tell the switch what this call's tail lost: its blocks once rows had left, beyond their tokens at the full
+        batch's pace in each regime (``SpeculationSwitch.observe_tail``). A call that speculated books it all, plain
+        blocks too, to speculation: blocks that kept different numbers of drafts set its rows apart."""
+        paces = {True: self.switch.speculative.mean(), False: self.switch.plain.mean()}
+        lost = [seconds - tokens / paces[regime]
+                for regime, (seconds, tokens) in self.tail.items() if seconds and paces[regime]]
+        if lost:
+            self.switch.observe_tail(self.stats.plain_blocks < self.stats.blocks, sum(lost))
 
     def record_draft(self, passes: int, seconds: float) -> None:
         self.stats.record_draft(passes, seconds)
