@@ -177,7 +177,7 @@ class BatchAssistant(_BatchModelDrafting):
     def _seen(self, i: int, row: Row) -> list[int]:
         """Row ``i``'s tokens but those it skips: what this drafter's cache holds of it, in order."""
         tokens, skipped = row.tokens(), self._window(i, row)
-        return tokens[: skipped.start] + tokens[skipped.stop :]
+        return tokens[: skipped.start] + tokens[skipped.stop :] if skipped.stop else tokens
 
     def unread(self, rows: Rows) -> int:
         unread = [len(self._seen(i, row)) - 1 - len(fed) for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
@@ -198,8 +198,8 @@ class BatchAssistant(_BatchModelDrafting):
     @torch.no_grad()
     def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
               keep_drafting: KeepDraftingRows | None) -> BatchDraft:
-        """One pass per drafted token for all rows; the first also feeds what each row committed since its last."""
-        self.skipped = [self._window(i, row) for i, row in enumerate(rows.active)]
+        """One pass per drafted token for all rows; the first also feeds what each row committed since its last (its
+        window was fixed when it was read, which comes first)."""
         feeds = [self._seen(i, row)[len(fed) :] for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
         return self._drafted(rows, feeds, limits, rng, keep_drafting)
 
