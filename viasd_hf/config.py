@@ -86,9 +86,9 @@ class ViaSDConfig(HubMixin):
     setting (``draft_planner``): measured costs under ``"measured"``, weight sizes otherwise.
 
     ``attention``: which kernel runs the short-query attention of drafting and verifying passes
-    (``viasd_hf.engine.attention``). ``"measured"``: SDPA or the model's eager attention, whichever is
-    measured faster on this machine (on CPU, SDPA is slow for a few query rows over a long cache);
-    they round differently, so a sampling call's draws can then depend on timing. ``"model"``: the
+    (``viasd_hf.engine.attention``). ``"measured"``: SDPA, the model's eager attention or SDPA over grouped
+    queries, whichever is measured fastest on this machine (on CPU, SDPA is slow for a few query rows over a
+    long cache, and copies the cache per query head under a mask); they round differently, so a sampling call's draws can then depend on timing. ``"model"``: the
     model's own kernel. ``"auto"``: ``"measured"`` where ``tier_switching`` measures, else ``"model"``.
 
     ``vocabulary``: a frequency-ranked draft vocabulary (``viasd_hf.vocabulary``) over which the tiers
