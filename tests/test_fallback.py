@@ -134,11 +134,9 @@ def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than
     read = switch.reading_cost(0.01, 250)
     assert read == pytest.approx(1.0)
     assert switch.reading_pays(read, 21) and not switch.reading_pays(read, 19)
-    switch.observe_tail(True, 0.5)  # a speculating batch's rows, finishing apart, lost half a second once per call
+    switch.observe_tail(0.5)  # a speculating batch's rows, finishing apart, lost half a second once per call
+    assert switch.tail_cost() == pytest.approx(0.5)
     assert switch.reading_pays(read, 31) and not switch.reading_pays(read, 29)
-    switch.observe_tail(False, 0.3)  # rows stopping at different lengths: plain decoding's tail lost 0.3 s
-    assert switch.tail_cost() == pytest.approx(0.2), "speculation is charged only the tail plain decoding lacks"
-    assert switch.reading_pays(read, 25) and not switch.reading_pays(read, 23)
     switch.speculative = FadedMean(5.0, 1.0)  # speculation slower than plain decoding: no read pays
     assert not switch.reading_pays(0.0, 1000)
 
@@ -200,41 +198,49 @@ def test_a_batchs_switch_measures_only_blocks_of_the_full_batch(clock, monkeypat
     monkeypatch.setattr(SpeculationSwitch, "observe", lambda switch, *args, **kwargs: (
         observed.append(args), observe(switch, *args, **kwargs)))
     tails = []
-    monkeypatch.setattr(SpeculationSwitch, "observe_tail",
-                        lambda switch, speculated, seconds: tails.append(speculated))
+    monkeypatch.setattr(SpeculationSwitch, "observe_tail", lambda switch, seconds: tails.append(seconds))
     stats = batch_with_a_row_ending_early(clock, max_new_tokens=40, ending_at=15)
     first_left = min(entry["block"] for entry in stats.rows_left)
     assert 0 < first_left < stats.blocks, "a row left before the call ended"
     assert len(observed) == first_left - 1, "every block after the first (the prompts' pass) until a row left"
-    assert tails == [True], "the speculative blocks after a row left priced what finishing apart lost, once"
+    assert len(tails) == 1, "the speculative blocks after a row left priced what the call's end lost, once"
 
 
-def test_a_plain_batchs_tail_is_measured_too(clock, monkeypatch):
-    """Rows that stop at different lengths leave a tail in plain decoding as well: a call decoding plainly records
-    what its blocks after a row left lost, against which a speculating call's tail is priced (``tail_cost``)."""
-    monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: False)
+def test_a_batchs_end_is_priced_per_row_so_rows_that_stopped_cost_nothing():
+    """Two of a batch of four rows are left: a block of theirs that keeps the full batch's pace per row loses
+    nothing, though it commits half a full block's tokens; one at half that pace loses half its time."""
+    from types import SimpleNamespace
+
+    from viasd_hf.engine.batch.loop import BatchedDecoder
+
+    def end_of_call(seconds, tokens):
+        switch = SpeculationSwitch(speculating=True)
+        switch.speculative.add(40.0, 1.0)  # the full batch committed 40 tokens/s: 10 a row
+        call = SimpleNamespace(switch=switch, batch_size=4, rows=["row", "row"], tail=[0.0, 0.0])
+        BatchedDecoder.add_to_tail(call, seconds, tokens)
+        BatchedDecoder.observe_tail(call)
+        return switch.tail_cost()
+
+    assert end_of_call(0.5, 10) == pytest.approx(0.0), "two rows, 10 tokens/s each: the full batch's pace per row"
+    assert end_of_call(0.5, 5) == pytest.approx(0.25), "the rows left last kept fewer drafts: the end came later"
+
+
+@pytest.mark.parametrize("speculated_first", [False, True])
+def test_plain_blocks_at_a_batchs_end_lose_nothing(clock, monkeypatch, speculated_first):
+    """Plain decoding advances every row alike, so a call's plain blocks after rows stopped (at their EOS, or apart
+    after some speculative blocks) end it no later than plain decoding from the start would have: whether the call
+    was plain throughout or went plain after speculating, its end prices nothing."""
+    monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: speculated_first and switch.block < 1)
+    monkeypatch.setattr(SpeculationSwitch, "_other_is_faster", lambda switch: False)
     tails = []
-    monkeypatch.setattr(SpeculationSwitch, "observe_tail",
-                        lambda switch, speculated, seconds: tails.append((speculated, seconds)))
-    stats = batch_with_a_row_ending_early(clock, max_new_tokens=24, ending_at=5)
-    assert stats.plain_blocks == stats.blocks and min(entry["block"] for entry in stats.rows_left) < stats.blocks
-    assert len(tails) == 1 and tails[0][0] is False, "the plain blocks after a row left priced its tail, once"
-    assert tails[0][1] > 0, "blocks of fewer rows cost a full batch's pass for fewer tokens"
-
-
-def test_a_tail_after_speculating_is_speculations_even_where_plain_blocks_ran_it(clock, monkeypatch):
-    """A call that speculated, then decoded plainly, has rows apart because its blocks kept different numbers of
-    drafts: the tail its plain blocks ran is booked to speculation, not credited to plain decoding (where it would
-    make speculation's own tail look smaller)."""
-    monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: switch.block < 1)  # one block, then plain
-    monkeypatch.setattr(SpeculationSwitch, "_other_is_faster", lambda switch: False)  # ... to the end, tail included
-    tails = []
-    monkeypatch.setattr(SpeculationSwitch, "observe_tail",
-                        lambda switch, speculated, seconds: tails.append((speculated, seconds)))
+    monkeypatch.setattr(SpeculationSwitch, "observe_tail", lambda switch, seconds: tails.append(seconds))
     stats = batch_with_a_row_ending_early(clock, max_new_tokens=40, ending_at=30)
-    assert 0 < stats.plain_blocks < stats.blocks and stats.drafted_tokens, "it speculated, then decoded plainly"
     assert min(entry["block"] for entry in stats.rows_left) < stats.blocks, "a row left before the call ended"
-    assert [speculated for speculated, _ in tails] == [True], "the tail, plain blocks and all, is speculation's"
+    if speculated_first:
+        assert stats.drafted_tokens and 0 < stats.plain_blocks < stats.blocks, "it speculated, then decoded plainly"
+    else:
+        assert stats.plain_blocks == stats.blocks
+    assert tails == []
 
 
 def test_the_user_is_told_speculation_does_not_pay_only_where_it_measured_clearly_slower():

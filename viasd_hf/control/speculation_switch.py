@@ -36,13 +36,15 @@ bf16 emulated, the demo's probes cost VIA-SD 4 % against greedy while each read 
 speculation's shortfall).
 
 A speculating batch pays a second cost once per call: its rows accept different numbers of drafts, so
-they finish apart, and the last rows decode in blocks of few rows while plain decoding would have
-finished every row together. At B = 8 on GSM8K (AMX Xeon) speculative blocks of the full batch ran
-14 % faster than plain ones, yet the call ran 0.92x batched greedy: the read and that tail cost more
-than the blocks saved. What a call's tail lost is measured (``observe_tail``) and priced with the read,
-net of the tail plain decoding has where rows stop at different lengths (Spec-Bench's answers run from
-10 to 128 tokens: there plain decoding's last rows decode alone too, and charging speculation with the
-whole of its tail kept batches of eight plain where speculating paid).
+they finish apart, and the call ends with its slowest rows, later than the full batch's speculative
+pace promised. At B = 8 on GSM8K (AMX Xeon) speculative blocks of the full batch ran 14 % faster than
+plain ones, yet the call ran 0.92x batched greedy: the read and that end cost more than the blocks
+saved. What a call's end lost is measured (``observe_tail``) and priced with the read. It is measured
+per row: a block of the rows left commits fewer tokens than a full batch's, in either regime, so only
+the rows' shortfall against the full batch's pace per row counts. Rows that stop early at their EOS
+cost nothing there (Spec-Bench's answers run from 10 to 128 tokens; counted as speculation's loss,
+those short rows kept batches plain where speculating paid 1.5x), nor do a plain call's last rows:
+plain decoding advances every row alike, so its call ends with its longest row, whenever rows stop.
 """
 
 from __future__ import annotations
@@ -88,8 +90,7 @@ class SpeculationSwitch:
     reading: FadedMean = field(default_factory=FadedMean)  # the drafter's seconds to read a token / the target's
     reads: FadedMean = field(default_factory=FadedMean)  # seconds a probe of speculation spent first reading (one-off)
     prefill: FadedMean = field(default_factory=FadedMean)  # the target's seconds per prompt token, over calls
-    # seconds a batch's call lost once rows had left, against the full batch's pace, speculating (True) or plainly
-    tails: dict[bool, FadedMean] = field(default_factory=lambda: {True: FadedMean(), False: FadedMean()})
+    tail: FadedMean = field(default_factory=FadedMean)  # seconds a speculating batch's call lost at its end, per call
     advice_gap: float = 0.1  # how much slower speculation must measure before the user is told it does not pay
 
     def speculates(self) -> bool:
@@ -141,23 +142,19 @@ class SpeculationSwitch:
         ratio = self.reading.mean()
         return None if ratio is None else ratio * prefill_seconds_per_token * tokens
 
-    def observe_tail(self, speculated: bool, seconds: float) -> None:
-        """A batch's tail in either regime: the ``seconds`` its blocks took, once rows had left, beyond what their
-        tokens take at the full batch's pace in that regime. Rows that stop at different lengths leave a tail in
-        both regimes: the last rows decode in blocks of few rows, which commit fewer tokens for about a full
-        batch's price. Speculating adds to it: rows accept different numbers of drafts, so even rows of one length
-        finish apart, where plain decoding advances every row alike."""
-        self.tails[speculated].observe(max(seconds, 0.0), self.decay)
+    def observe_tail(self, seconds: float) -> None:
+        """A speculating batch's end: the ``seconds`` its last blocks (once rows had left, or where the length limit
+        cut drafts short) took beyond what their rows' tokens take at the full batch's speculative pace per row."""
+        self.tail.observe(max(seconds, 0.0), self.decay)
 
     def tail_cost(self) -> float:
-        """What speculating is expected to lose once per call in its tail beyond what plain decoding loses in its own
-        (rows stopping at different lengths leave one in both); 0 while the speculative tail is unmeasured."""
-        return max((self.tails[True].mean() or 0.0) - (self.tails[False].mean() or 0.0), 0.0)
+        """What speculating is expected to lose once per call at its end (``observe_tail``); 0 while unmeasured."""
+        return self.tail.mean() or 0.0
 
     def reading_pays(self, read_seconds: float | None, tokens_left: int) -> bool:
         """Whether speculating over at most ``tokens_left`` more tokens saves more than it costs once per call: the
-        ``read_seconds`` the drafter needs before it drafts and, for a batch, what its tail is expected to lose
-        beyond plain decoding's (``tail_cost``); at the throughputs measured; yes while either is unknown (a probe
+        ``read_seconds`` the drafter needs before it drafts and, for a batch, what its end is expected to lose
+        (``tail_cost``); at the throughputs measured; yes while either is unknown (a probe
         learns it)."""
         speculative, plain = self.speculative.mean(), self.plain.mean()
         if read_seconds is None or speculative is None or plain is None:

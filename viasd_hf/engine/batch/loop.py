@@ -101,8 +101,8 @@ class BatchedDecoder:
         self._first_tier_switch = len(self.controller.switches) if self.controller is not None else 0
         self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
         self.rows: Rows
-        # the seconds and tokens of the blocks run once rows had left (``measures``), speculative (True) or plain
-        self.tail = {True: [0.0, 0], False: [0.0, 0]}
+        # the seconds of the speculative blocks at the call's end (``add_to_tail``), and their tokens per row × rows
+        self.tail = [0.0, 0.0]
         self.drafter_read = DrafterRead(self.switch)  # the drafter reads the prompts before its first draft
 
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
@@ -214,8 +214,6 @@ class BatchedDecoder:
             row.stats.plain_blocks += 1
         if self.measures():
             self.switch.observe(False, committed, time.perf_counter() - started)
-        else:
-            self.add_to_tail(False, time.perf_counter() - started, committed)
         self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
 
     def limits(self, slim_may_run: bool) -> list[int]:
@@ -345,8 +343,8 @@ class BatchedDecoder:
                 self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
         if self.switch is not None and self.measures():
             self.switch.observe(True, committed, seconds, one_off=reading, cut_short=cut_short)
-        elif self.switch is not None:
-            self.add_to_tail(True, seconds, committed)
+        if self.switch is not None and (cut_short or not self.measures()):
+            self.add_to_tail(seconds, committed)
         if self.controller is not None:
             self.controller.observe(BlockCost(
                 slim=wants_slim, seconds=seconds, tokens=committed, slim_seconds=blocks[0].seconds["slim"],
@@ -354,19 +352,21 @@ class BatchedDecoder:
                 drafter_seconds=drafting if draft.forwards else 0.0, drafter_passes=draft.forwards,
             ))
 
-    def add_to_tail(self, speculated: bool, seconds: float, tokens: int) -> None:
-        self.tail[speculated][0] += seconds
-        self.tail[speculated][1] += tokens
+    def add_to_tail(self, seconds: float, tokens: int) -> None:
+        """A speculative block at the call's end (rows had left, or the length limit cut a draft short): its seconds,
+        and its tokens as the full batch would commit them at these rows' pace (tokens per row × the batch's rows)."""
+        self.tail[0] += seconds
+        self.tail[1] += tokens * self.batch_size / len(self.rows)
 
     def observe_tail(self) -> None:
-        """Tell the switch what this call's tail lost: its blocks once rows had left, beyond their tokens at the full
-        batch's pace in each regime (``SpeculationSwitch.observe_tail``). A call that speculated books it all, plain
-        blocks too, to speculation: blocks that kept different numbers of drafts set its rows apart."""
-        paces = {True: self.switch.speculative.mean(), False: self.switch.plain.mean()}
-        lost = [seconds - tokens / paces[regime]
-                for regime, (seconds, tokens) in self.tail.items() if seconds and paces[regime]]
-        if lost:
-            self.switch.observe_tail(self.stats.plain_blocks < self.stats.blocks, sum(lost))
+        """Tell the switch what this call's end lost (``SpeculationSwitch.observe_tail``): its speculative blocks'
+        seconds beyond their tokens, per row, at the full batch's speculative pace. Rows that left cost nothing here:
+        a block of fewer rows commits fewer tokens in either regime. The rows left last are those that kept fewer
+        drafts, so what the end loses is speculation's own."""
+        seconds, tokens = self.tail
+        pace = self.switch.speculative.mean()
+        if seconds and pace:
+            self.switch.observe_tail(seconds - tokens / pace)
 
     def record_draft(self, passes: int, seconds: float) -> None:
         self.stats.record_draft(passes, seconds)
