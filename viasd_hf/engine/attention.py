@@ -147,9 +147,8 @@ def _kernels(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
         return {}
     kernels = {}
     eager = _eager_of(module, query, attention_mask, kwargs)
-    if eager is not None:
-        additive = _additive(attention_mask, query.dtype)
-        kernels["eager"] = lambda: eager(module, query, key, value, additive, **kwargs)
+    if eager is not None:  # the mask is converted for eager attention only where eager attention runs
+        kernels["eager"] = lambda: eager(module, query, key, value, _additive(attention_mask, query.dtype), **kwargs)
     if _groups_fold(module, query, attention_mask, kwargs):
         kernels["grouped"] = lambda: _grouped_sdpa(module, query, key, value, attention_mask, **kwargs)
     return kernels
