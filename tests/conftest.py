@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import copy
 import os
+import tempfile
 
 # before transformers imports huggingface_hub, which reads it once, at import
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# masks that `viasd search` saves for the user, and `generate` finds first: the tests' own, never the user's
+os.environ.setdefault("VIASD_MASKS_DIR", tempfile.mkdtemp(prefix="viasd-test-masks-"))
 
 import pytest
 import torch
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -63,6 +67,47 @@ def tiny_causal_lm(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     return model
 
 
+# Decoder-only architectures tested from their own configs, each as transformers builds it, with what the
+# architecture needs to be small and to exercise its structure: sliding windows shorter than a test's output,
+# alternating sliding and full attention, mixtures of experts.
+ARCHITECTURES = {
+    "llama": {},
+    "mistral": {"sliding_window": 6},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2": {},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32},
+    "qwen3": {"head_dim": 8},
+    "qwen3_moe": {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "gemma": {"head_dim": 8},
+    "gemma2": {"head_dim": 8, "sliding_window": 6, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": {"head_dim": 8, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+    "phi": {},
+    "phi3": {"sliding_window": 6},
+    "olmo2": {},
+    "granite": {},
+    "stablelm": {},
+    "starcoder2": {"sliding_window": 6},
+    "cohere": {},
+    "gpt_neox": {},
+    "gpt2": {},
+    "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32},
+    "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2},
+}
+
+
+def tiny_model_of(kind: str, layers: int = 6, seed: int = 0, **overrides) -> PreTrainedModel:
+    """A randomly initialised decoder-only model of any ``model_type``, built from its own config class, float32."""
+    torch.manual_seed(seed)
+    common = _COMMON | dict(num_hidden_layers=layers, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    fields = common | ARCHITECTURES.get(kind, {}) | overrides
+    if "layer_types" in fields:  # a pattern, repeated over the layers
+        fields["layer_types"] = [fields["layer_types"][i % len(fields["layer_types"])] for i in range(layers)]
+    config = AutoConfig.for_model(kind, **fields)
+    config._name_or_path = f"tiny-random-{kind}-{layers}"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
 def tiny_t5(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> T5ForConditionalGeneration:
     torch.manual_seed(seed)
     config = T5Config(**dict(
@@ -71,6 +116,25 @@ def tiny_t5(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> T
     ) | overrides)
     config._name_or_path = "tiny-random-t5"
     return T5ForConditionalGeneration(config).to(dtype).eval()
+
+
+def random_prompts(seed: int, lengths=(11, 6, 9), repeat: bool = False) -> list[torch.Tensor]:
+    """Prompts of different lengths (so their padding differs); ``repeat``: n-grams recur, so prompt lookup copies."""
+    generator = torch.Generator().manual_seed(seed)
+    if repeat:
+        return [torch.randint(2, VOCAB, (n // 2,), generator=generator).repeat(3) for n in lengths]
+    return [torch.randint(2, VOCAB, (n,), generator=generator) for n in lengths]
+
+
+def left_padded(rows: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one left-padded batch and its attention mask."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = row
+        mask[i, width - len(row) :] = 1
+    return ids, mask
 
 
 def rounding_tolerance(dtype: torch.dtype, terms: int, scale: float) -> float:

@@ -16,11 +16,13 @@ from conftest import (
     RecordingStreamer,
     assert_stats_consistent,
     first_near_tie,
+    left_padded,
     near_copy,
+    random_prompts,
     tiny_causal_lm,
     zoo,
 )
-from viasd_hf import RoutingMask, ViaSDConfig, ViaSDStats, enable_viasd, viasd_generate
+from viasd_hf import RoutingMask, ViaSDConfig, ViaSDStats, enable_viasd
 from viasd_hf.control.speculation_switch import SpeculationSwitch
 from viasd_hf.drafters.model import Reader
 from viasd_hf.engine.batch import BatchViaSDStats, ragged_cache
@@ -44,21 +46,7 @@ def pair(request):
 
 
 def prompts(seed: int, lengths=(11, 6, 9), repeat: bool = False) -> list[torch.Tensor]:
-    """Prompts of different lengths (so their padding differs); ``repeat``: n-grams recur, so prompt lookup copies."""
-    generator = torch.Generator().manual_seed(seed)
-    if repeat:
-        return [torch.randint(2, VOCAB, (n // 2,), generator=generator).repeat(3) for n in lengths]
-    return [torch.randint(2, VOCAB, (n,), generator=generator) for n in lengths]
-
-
-def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = row
-        mask[i, width - len(row) :] = 1
-    return ids, mask
+    return random_prompts(seed, lengths, repeat)
 
 
 def slim_config(target, **overrides) -> ViaSDConfig:
@@ -417,14 +405,6 @@ def test_unsupported_requests_are_refused_with_the_fix(pair, request_, match):
     kwargs = {"assistant_model": assistant, "max_new_tokens": 4, "return_dict_in_generate": True} | GREEDY | request_
     with pytest.raises(ValueError, match=match):
         target.generate(ids, attention_mask=mask, viasd_config=config, **kwargs)
-
-
-def test_sliding_window_models_are_refused_in_a_batch():
-    target = tiny_causal_lm("gemma3_text")
-    ids, mask = left_padded(prompts(0))
-    with pytest.raises(ValueError, match="sliding-window.*once per prompt"):
-        target.generate(ids, attention_mask=mask, custom_generate=viasd_generate, prompt_lookup_num_tokens=3,
-                        viasd_config=ViaSDConfig(use_slim=False), max_new_tokens=4, **GREEDY)
 
 
 # -- real checkpoints ----------------------------------------------------------------------------------------------

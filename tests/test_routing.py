@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from conftest import TINY_CONFIGS, tiny_causal_lm, tiny_t5, without_layers
@@ -131,11 +132,10 @@ def test_skipping_a_layer_the_model_does_not_have_is_refused():
         RoutingMask.from_model(tiny_causal_lm("llama"), skip=[9])
 
 
-def test_unsupported_architecture_names_the_supported_ones():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+def test_a_decoder_with_two_layer_lists_side_by_side_is_refused_naming_them():
     from viasd_hf import UnsupportedArchitectureError
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32))
-    with pytest.raises(UnsupportedArchitectureError, match="model_type='gpt2'.*Supported model types: llama"):
+    model = tiny_causal_lm("llama")
+    model.model.adapters = nn.ModuleList([nn.Linear(4, 4)])
+    with pytest.raises(UnsupportedArchitectureError, match="2 layer lists side by side .*layers, adapters"):
         RoutingMask.from_model(model, skip=[1])

@@ -41,16 +41,19 @@ from viasd_hf.control.draft_planner import StaticCosts
 from viasd_hf.control.hybrid_choice import CopyOrDraft
 from viasd_hf.drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
 from viasd_hf.drafters.precision import drafter_for_call, drafting_reader
+from viasd_hf.drafters.translation import Translation, drafter_translation
 from viasd_hf.engine.batch import BatchedDecoder, RaggedCache, batch_drafter, check_batch_supported
+from viasd_hf.engine.batch.translating import translating_drafter
 from viasd_hf.engine.kv_cache import new_cache
 from viasd_hf.engine.loop import ViaSDDecoder
-from viasd_hf.engine.preconditions import check_supported, check_takes_cache
+from viasd_hf.engine.preconditions import check_supported
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.state import DecodingState, ModelInputs, TargetCache
 from viasd_hf.engine.stats import ViaSDStats
-from viasd_hf.masks.architectures import base_model, is_encoder_decoder, model_config
+from viasd_hf.masks.architectures import is_encoder_decoder, model_config
 from viasd_hf.masks.mask_set import MaskSet
-from viasd_hf.masks.resolver import resolve_mask, resolve_slim_masks
+from viasd_hf.masks.resolver import CallMasks, masks_for_call
+from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.vocabulary.head import SubsetHead
 from viasd_hf.vocabulary.lookup import tier_heads
 
@@ -72,19 +75,6 @@ class ViaSDEncoderDecoderOutput(GenerateEncoderDecoderOutput):
 def _drafter_id(assistant_model: nn.Module | None) -> str:
     """The drafter a slim mask is looked up for; model-free drafters use the target's own ("self") mask."""
     return str(model_config(assistant_model)._name_or_path) if assistant_model is not None else "self"
-
-
-def check_same_vocabulary(model: nn.Module, assistant_model: nn.Module) -> None:
-    check_takes_cache(assistant_model, "the assistant model")
-    target_vocab = base_model(model).get_output_embeddings().weight.shape[0]
-    drafter_vocab = base_model(assistant_model).get_output_embeddings().weight.shape[0]
-    if target_vocab != drafter_vocab:
-        raise ValueError(
-            f"the assistant model's vocabulary ({drafter_vocab} tokens) differs from the target's ({target_vocab}): "
-            "VIA-SD needs a drafter that shares the target's tokenizer. Supported drafters: an assistant model with "
-            "the same tokenizer, prompt lookup (prompt_lookup_num_tokens=...), or the self-drafter "
-            "(ViaSDConfig(self_draft_mask=...))"
-        )
 
 
 def end_tokens(generation_config: GenerationConfig) -> frozenset[int]:
@@ -112,6 +102,7 @@ def build_drafter(
     logits_processor: LogitsProcessorList,
     assistant_model: nn.Module | None,
     target_cache: TargetCache,
+    self_draft_mask: RoutingMask | None,
     head: SubsetHead | None = None,
 ) -> Drafter:
     """Choose the drafter as HF users expect: assistant model, else prompt lookup, else the self-drafter.
@@ -126,17 +117,8 @@ def build_drafter(
     if assistant_model is None:
         if lookup is not None:
             return lookup
-        mask = resolve_mask(config.self_draft_mask, model, "self-drafter")
-        return SelfDrafter(
-            model, mask, target_cache, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
-            head, ends,
-        )  # fmt: skip
-    if is_encoder_decoder(model):
-        raise ValueError(
-            "an assistant model for an encoder-decoder target is not supported yet; use prompt lookup "
-            "(prompt_lookup_num_tokens=...) or the self-drafter (ViaSDConfig(self_draft_mask=...))"
-        )
-    check_same_vocabulary(model, assistant_model)
+        return SelfDrafter(model, self_draft_mask, target_cache, logits_processor, config.draft_confidence_threshold,
+                           generation_config.do_sample, head, ends)
     assistant = AssistantDrafter(
         assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
         inputs=target_cache.inputs, head=head, context=config.drafter_context, end_tokens=ends,
@@ -146,6 +128,17 @@ def build_drafter(
         return assistant
     choice = CopyOrDraft(StaticCosts.for_drafter(model, assistant_model, None).drafter) if config.adaptive else None
     return HybridDrafter(lookup, assistant, choice)
+
+
+def call_masks(
+    model: nn.Module, config: ViaSDConfig, generation_config: GenerationConfig, drafter: nn.Module | None
+) -> CallMasks:
+    """The slim tier's mask and, when the target drafts for itself (no assistant, no prompt lookup), the self-drafter's
+    (``resolver.masks_for_call``: a pair without a mask decodes without the slim tier, unless in tiered mode)."""
+    return masks_for_call(
+        model, _drafter_id(drafter), config.routing_mask, config.self_draft_mask, use_slim=config.use_slim,
+        slim_required=config.mode == "tiered", self_drafts=drafter is None and not generation_config.prompt_lookup_num_tokens,
+    )  # fmt: skip
 
 
 def initial_state(model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> DecodingState:
@@ -210,31 +203,35 @@ def viasd_generate(
     drafter: nn.Module | None = None,
     viasd_streamer: Any = None,
     viasd_check_invariants: bool = False,
+    viasd_tokenizer: Any = None,
+    drafter_tokenizer: Any = None,
     **model_kwargs: Any,
 ) -> torch.Tensor | ViaSDDecoderOnlyOutput | ViaSDEncoderDecoderOutput:
-    """``custom_generate`` callable: VIA-SD decoding with ``drafter`` (an assistant model) or the config's choice."""
+    """``custom_generate`` callable: VIA-SD decoding with ``drafter`` (an assistant model) or the config's choice; a
+    drafter of another tokenizer drafts through text (``viasd_tokenizer``, ``drafter_tokenizer``: ``generate``'s
+    ``tokenizer`` and ``assistant_tokenizer``), in the batched engine, as a batch of one where there is one prompt."""
     drafter, viasd_streamer = _taken_from_generate(drafter, viasd_streamer)
     config = ViaSDConfig.for_call(viasd_config)
-    check_supported(model, input_ids, generation_config, model_kwargs)
-    if input_ids.shape[0] > 1:
+    check_supported(model, input_ids, generation_config, model_kwargs, drafter)
+    translation = drafter_translation(model, drafter, viasd_tokenizer, drafter_tokenizer, viasd_streamer)
+    if input_ids.shape[0] > 1 or translation is not None:
         return generate_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, config, drafter,
-                              viasd_streamer, viasd_check_invariants, model_kwargs)
+                              viasd_streamer, viasd_check_invariants, model_kwargs, translation)
     drafter = drafter_for_call(drafter, config, bool(generation_config.do_sample))
     state = initial_state(model, input_ids, model_kwargs)
     copies = bool(generation_config.prompt_lookup_num_tokens)
     drafter_head, slim_head = tier_heads(config.vocabulary, model, drafter, _drafter_id(drafter), copies,
                                          tuple(config.vocabulary_tiers))
-    chosen = build_drafter(model, config, generation_config, logits_processor, drafter, state.target_cache, drafter_head)
-    slim_mask = None
-    if config.use_slim:
-        slim_mask = resolve_slim_masks(config.routing_mask, model, _drafter_id(drafter))
+    masks = call_masks(model, config, generation_config, drafter)
+    chosen = build_drafter(model, config, generation_config, logits_processor, drafter, state.target_cache,
+                           masks.self_draft, drafter_head)
     keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     decoder = ViaSDDecoder(
         model,
         chosen,
         config,
-        slim_mask,
+        masks.slim,
         logits_processor,
         stopping_criteria,
         max_length=generation_config.max_length,
@@ -270,33 +267,32 @@ def generate_batch(
     streamer: Any,
     check_invariants: bool,
     model_kwargs: dict[str, Any],
+    translation: Translation | None = None,
 ) -> torch.Tensor | ViaSDDecoderOnlyOutput:
-    """``viasd_generate`` for more than one prompt: batched lossless VIA-SD, greedy or sampling (``viasd_hf.engine.batch``). Rows
-    that finish early are padded with ``pad_token_id``, as ``generate`` pads them; ``viasd_stats`` holds the totals
-    and one ``ViaSDStats`` per row (``BatchViaSDStats``)."""
+    """``viasd_generate`` for more than one prompt, or a drafter of another tokenizer: batched lossless VIA-SD, greedy
+    or sampling (``viasd_hf.engine.batch``). Rows that finish early are padded with ``pad_token_id``, as ``generate``
+    pads them; ``viasd_stats`` holds the totals and one ``ViaSDStats`` per row (``BatchViaSDStats``)."""
     check_batch_supported(model, input_ids, generation_config, drafter, streamer, stopping_criteria, model_kwargs)
     do_sample = bool(generation_config.do_sample)
     drafter = drafter_for_call(drafter, config, do_sample)
-    if drafter is not None:
-        check_same_vocabulary(model, drafter)
-    slim_mask = None
-    if config.use_slim:
-        slim_mask = resolve_slim_masks(config.routing_mask, model, _drafter_id(drafter))
-        slim_mask = slim_mask.default_mask if isinstance(slim_mask, MaskSet) else slim_mask
+    masks = call_masks(model, config, generation_config, drafter)
+    slim_mask = masks.slim.default_mask if isinstance(masks.slim, MaskSet) else masks.slim
     prompt_mask = model_kwargs.get("attention_mask")
     prompt_mask = torch.ones_like(input_ids) if prompt_mask is None else prompt_mask
     target_cache = RaggedCache(model.config, input_ids.shape[0], input_ids.device)
     lookup = prompt_lookup(model, generation_config, logits_processor)
-    self_drafting = None
-    if drafter is None and lookup is None:
-        self_drafting = (model, resolve_mask(config.self_draft_mask, model, "self-drafter"))
-    drafting_tiers = tuple(tier for tier in config.vocabulary_tiers if tier == "drafter")  # a batch's slim tier: all
+    self_drafting = (model, masks.self_draft) if masks.self_draft is not None else None
+    # a batch's slim tier decodes the whole vocabulary; a translated drafter, its own
+    drafting_tiers = tuple(tier for tier in config.vocabulary_tiers if tier == "drafter" and translation is None)
     drafter_head, _ = tier_heads(config.vocabulary, model, drafter, _drafter_id(drafter), lookup is not None,
                                  drafting_tiers)
-    chosen = batch_drafter(drafter, lookup, logits_processor, config.draft_confidence_threshold,
-                           end_tokens(generation_config), target_cache,
-                           drafting_reader(drafter) if drafter is not None else None, self_drafting,
-                           config.drafter_context, drafter_head)
+    reader = drafting_reader(drafter) if drafter is not None else None
+    if translation is not None:
+        chosen = translating_drafter(drafter, translation, lookup, config, target_cache, reader)
+    else:
+        chosen = batch_drafter(drafter, lookup, logits_processor, config.draft_confidence_threshold,
+                               end_tokens(generation_config), target_cache, reader, self_drafting,
+                               config.drafter_context, drafter_head)
     rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
     keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
@@ -329,15 +325,17 @@ def viasd_generate_kwargs(viasd_config: ViaSDConfig, kwargs: dict[str, Any]) -> 
     """Rewrite ``generate`` kwargs so HF's preparation runs and then hands over to ``viasd_generate``."""
     kwargs = dict(kwargs)
     stop_strings = kwargs.pop("stop_strings", None)
-    tokenizer = kwargs.pop("tokenizer", None)
+    tokenizer = kwargs.get("tokenizer")
     if stop_strings is not None:
         if tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: pass tokenizer=... to generate")
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         kwargs["stopping_criteria"] = criteria
-    for theirs, ours in (("assistant_model", "drafter"), ("streamer", "viasd_streamer")):
-        # idempotent, so that kwargs rewritten once (enable_viasd on a mixin class) keep their drafter
+    for theirs, ours in (("assistant_model", "drafter"), ("streamer", "viasd_streamer"),
+                         ("tokenizer", "viasd_tokenizer"), ("assistant_tokenizer", "drafter_tokenizer")):
+        # generate hands a custom_generate callable none of these; idempotent, so that kwargs rewritten once
+        # (enable_viasd on a mixin class) keep their drafter
         if kwargs.get(theirs) is not None:
             if kwargs.get(ours) is not None:
                 raise ValueError(f"generate got both {theirs}= and {ours}=: pass one of them")

@@ -34,7 +34,10 @@ UNQUANTIZED_REFERENCE = "hf_assisted_bf16"
 # HF assisted generation with the attention kernel our decoders measure (viasd_hf.engine.attention): what that lever gives HF
 STEERED_REFERENCE = "hf_assisted_fastattn"
 MASK_SET_METHODS = ("viasd_mask_set",)  # need a mask set, so they run only when asked for
-KNOWN_METHODS = METHODS + MASK_SET_METHODS
+# HF's universal assisted generation and lossless VIA-SD, drafting with a model of another tokenizer
+# (MethodTable.other_drafter), so they run only when asked for
+OTHER_TOKENIZER_METHODS = ("hf_assisted_other_tokenizer", "viasd_other_tokenizer")
+KNOWN_METHODS = METHODS + MASK_SET_METHODS + OTHER_TOKENIZER_METHODS
 HYBRID_SUFFIX = "_hybrid"  # the same method, drafting by prompt lookup where the context repeats itself
 FLOAT32_TARGET_SUFFIX = "_fp32"
 # One lever of our decoders switched off (or the target's precision changed), for an ablation side by side: append to any of our methods
@@ -50,7 +53,8 @@ ABLATIONS = {
     FLOAT32_TARGET_SUFFIX: "the target in float32, a copy beside the one loaded: where the CPU emulates bf16 it "
                            "verifies drafts natively",
 }
-OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set")
+OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set",
+               "viasd_other_tokenizer")
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,9 @@ def _counting(target: nn.Module) -> Iterator[_Counts]:
     counts = _Counts()
     hook = target.register_forward_pre_hook(lambda module, args: setattr(counts, "forwards", counts.forwards + 1))
     originals = {}
-    for cls in (candidate_generator.AssistedCandidateGenerator, candidate_generator.PromptLookupCandidateGenerator):
+    for cls in (candidate_generator.AssistedCandidateGenerator, candidate_generator.PromptLookupCandidateGenerator,
+                candidate_generator.AssistedCandidateGeneratorDifferentTokenizers,
+                candidate_generator.UniversalSpeculativeDecodingGenerator):
         originals[cls] = cls.get_candidates
 
         def counted(self: Any, input_ids: torch.Tensor, *args: Any, _original: Any = cls.get_candidates, **kwargs: Any):
@@ -201,6 +207,8 @@ class MethodTable:
     unquantized: tuple[nn.Module, nn.Module] | None = None  # (target, drafter) in bf16, for UNQUANTIZED_REFERENCE
     mask_set: MaskSet | None = None  # viasd_mask_set: ``viasd`` choosing among these masks online
     float32_target: nn.Module | None = None  # the target in float32, for methods named with FLOAT32_TARGET_SUFFIX
+    # OTHER_TOKENIZER_METHODS: a drafter of another tokenizer, the target's tokenizer and the drafter's
+    other_drafter: tuple[nn.Module, Any, Any] | None = None
 
     def build(self, names: list[str]) -> dict[str, Method]:
         unknown = [name for name in names if not is_method(name)]
@@ -221,12 +229,16 @@ class MethodTable:
             raise ValueError(f"methods named with {FLOAT32_TARGET_SUFFIX} need the target in float32 (MethodTable.float32_target)")
         if "viasd_mask_set" in {MethodName.parse(name).base for name in names} and (self.mask_set is None or len(self.mask_set.masks) < 2):
             raise ValueError("viasd_mask_set needs a mask set of two or more masks: pass --mask-set, or leave it out")
+        if self.other_drafter is None and set(OTHER_TOKENIZER_METHODS) & {MethodName.parse(name).base for name in names}:
+            raise ValueError(f"{' and '.join(OTHER_TOKENIZER_METHODS)} need a drafter of another tokenizer: pass "
+                             "--other-drafter, or leave them out")
         enable_viasd(self.target)
         return {name: self._method(name) for name in names}
 
     def _method(self, name: str) -> Method:
         method = MethodName.parse(name)
-        if method.base in ("greedy", "hf_assisted", "hf_prompt_lookup", UNQUANTIZED_REFERENCE, STEERED_REFERENCE):
+        if method.base in ("greedy", "hf_assisted", "hf_prompt_lookup", UNQUANTIZED_REFERENCE, STEERED_REFERENCE,
+                           "hf_assisted_other_tokenizer"):
             return self._hf_baseline(name)
         config, drafter = self._viasd_setup(method.base)
         if "_fullvocab" in method.ablations:
@@ -244,6 +256,8 @@ class MethodTable:
         if "_asloaded" in method.ablations:
             config = replace(config, drafter_precision="as_loaded")
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
+        if method.base == "viasd_other_tokenizer":
+            extra |= self._tokenizers()
         target = self.float32_target if FLOAT32_TARGET_SUFFIX in method.ablations else self.target
         return _viasd_method(enable_viasd(target), config, drafter, **extra)
 
@@ -253,12 +267,19 @@ class MethodTable:
             return _hf_method(target, drafts=False)
         if name == "hf_assisted":
             return _hf_method(target, drafts=True, assistant_model=drafter)
+        if name == "hf_assisted_other_tokenizer":
+            return _hf_method(target, drafts=True, assistant_model=self.other_drafter[0], **self._tokenizers())
         if name == STEERED_REFERENCE:
             return _hf_method(target, drafts=True, steered=True, assistant_model=drafter)
         if name == UNQUANTIZED_REFERENCE:
             reference_target, reference_drafter = self.unquantized
             return _hf_method(reference_target, drafts=True, assistant_model=reference_drafter)
         return _hf_method(target, drafts=True, prompt_lookup_num_tokens=self.settings.prompt_lookup_tokens)
+
+    def _tokenizers(self) -> dict[str, Any]:
+        """What ``generate`` needs to draft with the drafter of another tokenizer (HF's names)."""
+        _, tokenizer, drafter_tokenizer = self.other_drafter
+        return {"tokenizer": tokenizer, "assistant_tokenizer": drafter_tokenizer}
 
     def _viasd_setup(self, name: str) -> tuple[ViaSDConfig, nn.Module | None]:
         """The config and drafter of one of our decoders (``self_spec`` drafts with the target itself)."""
@@ -270,6 +291,8 @@ class MethodTable:
                                **drafting), self.drafter
         if name == "two_tier":
             return ViaSDConfig(use_slim=False, **drafting), self.drafter
+        if name == "viasd_other_tokenizer":  # lossless, with the target's routing mask for the slim tier
+            return ViaSDConfig(routing_mask=self.mask, **drafting), self.other_drafter[0]
         if name in ("viasd", "viasd_mask_set"):
             # the wall-clock controller, so the slim tier runs wherever it pays on this machine; the
             # default ("fixed" for tiered mode) trades that for reproducible output

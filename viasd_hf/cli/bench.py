@@ -18,6 +18,7 @@ from viasd_hf.bench.methods import (
     HYBRID_SUFFIX,
     KNOWN_METHODS,
     METHODS,
+    OTHER_TOKENIZER_METHODS,
     STEERED_REFERENCE,
     UNQUANTIZED_REFERENCE,
     MethodName,
@@ -89,6 +90,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="zoo name, Hub id or local folder")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct", help="assistant model sharing the tokenizer")
+    parser.add_argument("--other-drafter",
+                        help=f"assistant model of another tokenizer, for {', '.join(OTHER_TOKENIZER_METHODS)}")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, greedy first; from {','.join(KNOWN_METHODS)}, "
                         f"{STEERED_REFERENCE} (HF assisted with our measured attention kernel); ours also with "
                         f"{HYBRID_SUFFIX} and/or the ablations {', '.join(ABLATIONS)} appended")
@@ -210,6 +213,10 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
                          "or use hf_assisted")
     check_model(args.target, "--target")
     check_model(args.drafter, "--drafter")
+    if set(OTHER_TOKENIZER_METHODS) & _bases(names):
+        if not args.other_drafter:
+            raise UsageError(f"--methods: {' and '.join(OTHER_TOKENIZER_METHODS)} need --other-drafter")
+        check_model(args.other_drafter, "--other-drafter")
     if args.json:
         check_output_file(args.json, "--json")
     if args.plots:
@@ -269,13 +276,20 @@ def run_bench_command(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag}: {first_line(error)}") from None
     settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens,
                               args.drafter_context)
-    methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set, float32_target).build(names)
+    other_drafter = None
+    if set(OTHER_TOKENIZER_METHODS) & _bases(names):
+        other, other_tokenizer = load_model(args.other_drafter, args.dtype, "--other-drafter")
+        other_drafter = (other, tokenizer, other_tokenizer)
+    methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set, float32_target,
+                          other_drafter).build(names)
     tracer = CallTracer(args.traces, lambda: decoding_models(target, drafter)) if args.traces else None
     runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature, tracer)
     if drafting_copy(drafter) is not None:  # reported beside --quantize's choices: what our lossless decoders drafted with
         quantized["drafter, as VIA-SD drafts (drafter_precision='auto')"] = resolve_drafting_form(drafter)
     weights = {name: _weight_bytes(float32_target if _in_float32(name) else target)
-               + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0) for name in names}
+               + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0)
+               + (_weight_bytes(other_drafter[0]) if _bases([name]) & set(OTHER_TOKENIZER_METHODS) else 0)
+               for name in names}
     if unquantized:
         weights[UNQUANTIZED_REFERENCE] = sum(map(_weight_bytes, unquantized))
     full_agreement = None

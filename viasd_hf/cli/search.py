@@ -1,10 +1,13 @@
-"""``viasd search``: find a routing mask with DIMR and save it with its search log and the command that made it."""
+"""``viasd search``: find a routing mask with DIMR and save it with its search log and the command that made it.
+
+By default the mask lands in the user's masks folder (``viasd_hf.masks.repo.user_masks_dir``), where
+the next ``generate`` for the pair finds it with no flag.
+"""
 
 from __future__ import annotations
 
 import argparse
 import shlex
-from pathlib import Path
 
 from viasd_hf.calibration.corpus import (
     DEFAULT_DEPTHS,
@@ -29,7 +32,7 @@ from viasd_hf.cli.args import (
     skip_fractions,
 )
 from viasd_hf.dimr import OBJECTIVES, search
-from viasd_hf.masks.repo import MODEL_FREE
+from viasd_hf.masks.repo import pair_folder, pair_id, user_masks_dir
 
 CORPORA = ("spec-bench", "stratified")
 
@@ -44,8 +47,9 @@ def _skip_ratios(text: str) -> float | list[float]:
     return values[0] if len(values) == 1 and "," not in text else values
 
 
-def _slug(name: str) -> str:
-    return Path(name.rstrip("/")).name.lower()
+# `--drafter` values that name no drafter model: the slim verifier's mask for drafts from no model, and the
+# self-drafter's own drafting mask
+MODEL_FREE_DRAFTERS = ("self", "self-drafter")
 
 
 def add_search_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -57,7 +61,10 @@ def add_search_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
         "and search_log.jsonl to --out.",
     )
     parser.add_argument("--target", required=True, help="zoo name, Hub id or local folder")
-    parser.add_argument("--drafter", help="drafter sharing the target's tokenizer (enables the Δ criterion); default: self")
+    parser.add_argument("--drafter",
+                        help="drafter sharing the target's tokenizer (enables the Δ criterion); default: self (the slim "
+                        "verifier's mask for prompt lookup and the self-drafter); self-drafter: the self-drafter's own "
+                        "drafting mask")  # fmt: skip
     parser.add_argument("--skip-ratio", type=_skip_ratios, default=0.45,
                         help="fraction of layers to skip; a comma list (e.g. 0.1,0.15,0.2) sweeps budgets and keeps "
                         "the best predicted speed-up")  # fmt: skip
@@ -67,7 +74,9 @@ def add_search_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
                         help="propose by Bayesian optimisation when iteration %% N == 0")  # fmt: skip
     parser.add_argument("--patience", type=positive_int, default=30,
                         help="stop a budget after N evaluations without improvement")  # fmt: skip
-    parser.add_argument("--time-budget", type=positive_float, help="seconds for the whole search (all budgets)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=positive_float, help="minutes for the whole search (all budgets)")
+    budget.add_argument("--time-budget", type=positive_float, help="seconds for the whole search (all budgets)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--finalists", type=positive_int, default=8,
                         help="the best N masks by calibration objective go on to the validation prompts, where the "
@@ -89,7 +98,8 @@ def add_search_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=384)
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="the deployment dtype (costs are measured in it)")  # fmt: skip
-    parser.add_argument("--out", help="output folder (default: masks/<target>/<drafter or self>)")
+    parser.add_argument("--out", help=f"output folder (default: the pair's folder in {user_masks_dir()}, where generate "
+                        "looks first)")
     parser.set_defaults(handler=run_search_command)
     return parser
 
@@ -121,7 +131,7 @@ def _resolve_corpus_defaults(args: argparse.Namespace) -> None:
 def _check_search_args(args: argparse.Namespace) -> None:
     """What can be checked before the models load (minutes): models, the output folder, the prompts and their number."""
     check_model(args.target, "--target")
-    if args.drafter not in (None, "self"):
+    if args.drafter not in (None, *MODEL_FREE_DRAFTERS):
         check_model(args.drafter, "--drafter")
     check_output_dir(args.out, "--out")
     if args.corpus == "stratified":
@@ -152,8 +162,10 @@ def _check_search_args(args: argparse.Namespace) -> None:
 
 def run_search_command(args: argparse.Namespace) -> int:
     """Check the arguments, load the models, build the calibration, search, and print a one-line summary."""
-    drafted = args.drafter not in (None, "self")  # `--drafter self` is the default: the target drafts for itself
-    args.out = args.out or str(Path("masks") / _slug(args.target) / (_slug(args.drafter) if drafted else MODEL_FREE))
+    drafted = args.drafter not in (None, *MODEL_FREE_DRAFTERS)  # `--drafter self` is the default
+    if args.minutes is not None:
+        args.time_budget = 60 * args.minutes
+    args.out = args.out or str(user_masks_dir() / pair_folder(pair_id(args.target), pair_id(args.drafter or "self")))
     _resolve_corpus_defaults(args)
     _check_search_args(args)
     target, tokenizer = load_model(args.target, args.dtype, "--target")

@@ -137,13 +137,13 @@ def heldout_comparison(
         "masks": [
             {"folder": folder, "drafter": mask.drafter_id, "skipped": mask.skipped_layers, "k": len(mask.skipped_layers),
              "num_layers": mask.num_layers, "meant_for": (mask.metadata or {}).get("family"),
-             "families": _family_rows(scores, mask, *baselines[len(mask.skipped_layers)])}  # fmt: skip
+             "families": family_rows(scores, mask, *baselines[len(mask.skipped_layers)])}  # fmt: skip
             for folder, mask in masks.items()
         ],
     }
 
 
-def _family_rows(scores: Scores, mask: RoutingMask, randoms: Sequence[RoutingMask], early: RoutingMask) -> dict[str, Any]:
+def family_rows(scores: Scores, mask: RoutingMask, randoms: Sequence[RoutingMask], early: RoutingMask) -> dict[str, Any]:
     """``versus_baselines`` for every family, and for all families pooled (``"all"``)."""
     families = list(scores)
 

@@ -9,6 +9,8 @@ A drafter sees only the committed token ids; what it keeps between blocks is its
 - ``PromptLookupDrafter``: copies the continuation of the last n-gram's earlier occurrence.
 - ``HybridDrafter``: prompt lookup where the context repeats itself (its drafts are free) and
   copying has paid (``hybrid_choice``), a model drafter elsewhere.
+- ``translation``: how a drafter of another tokenizer reads the target's text and hands its drafts over in the
+  target's tokens (the batched engine's ``TranslatingDrafter`` drafts with it).
 """
 
 from viasd_hf.drafters.lookup import HybridDrafter, PromptLookupDrafter, model_drafter_of

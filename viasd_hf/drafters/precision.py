@@ -22,10 +22,15 @@ memory; ``"as_loaded"`` keeps the drafter alone.
 """
 from __future__ import annotations
 
+import logging
 import threading
+import warnings
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch import nn
+from transformers.utils import logging as transformers_logging
 
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.drafters.model import Reader
@@ -59,9 +64,9 @@ def convertible(drafter: nn.Module) -> bool:
 def fastest_form(drafter: nn.Module) -> nn.Module:
     """The drafter's copy in its fastest form on this machine, made on its first call; the drafter itself when it
     is in that form already or cannot be converted. Calls wait for one another, so one copy is made."""
-    with _LOCK:
+    with _LOCK, _quietly():
         if drafter not in _COPIES:
-            form = resolve_drafting_form(drafter).scheme if convertible(drafter) else None
+            form = resolve_drafting_form(drafter, progress=False).scheme if convertible(drafter) else None
             made = None if form is None or in_form(drafter, form) else converted(drafter, form)
             drafting = drafter if made is None else made  # a drafter quantised by its user drafts as it is
             twin = dequantized_twin(drafting)  # before a first pass packs a bitsandbytes model's weights
@@ -70,6 +75,33 @@ def fastest_form(drafter: nn.Module) -> nn.Module:
             _COPIES[drafter] = made
         copy = _COPIES[drafter]
     return drafter if copy is None else copy
+
+
+# libraries that log while a copy is made and measured: bitsandbytes' casts and kernel loads, the kernels Hub client
+_CHATTY_LOGGERS = ("bitsandbytes", "kernels")
+
+
+@contextmanager
+def _quietly() -> Iterator[None]:
+    """``generate`` prints nothing of its own: while the drafter's copies are saved, loaded and timed (once per
+    drafter), transformers' progress bars and the warnings and logs of the libraries that make them are held back."""
+    bars = transformers_logging.is_progress_bar_enabled()
+    verbosity = transformers_logging.get_verbosity()
+    levels = {name: logging.getLogger(name).level for name in _CHATTY_LOGGERS}
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    for name in _CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        transformers_logging.set_verbosity(verbosity)
+        if bars:
+            transformers_logging.enable_progress_bar()
 
 
 def in_form(drafter: nn.Module, form: Scheme) -> bool:

@@ -9,13 +9,14 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from viasd_hf.masks.architectures import base_model, is_encoder_decoder, model_type
+from viasd_hf.masks.architectures import base_model, check_routable, is_encoder_decoder
 from viasd_hf.masks.layer_skipping import skipped_layers_here
 from viasd_hf.validation import is_int, wrong_type
 
 
 def check_supported(
-    model: nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any]
+    model: nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any],
+    drafter: nn.Module | None = None,
 ) -> None:
     """Refuse, with the reason, what this decoder does not do (yet).
 
@@ -24,11 +25,16 @@ def check_supported(
     ``num_return_sequences`` sequences per prompt is a batch of that many copies of each prompt (greedy
     decoding with more than one is refused by ``generate`` itself).
     """
-    model_type(model)
+    check_routable(model)
     check_takes_cache(model, "the model")
     check_not_routed(model)
     check_generation_config(generation_config)
     check_prompt(model, input_ids, model_kwargs)
+    if drafter is not None and is_encoder_decoder(model):
+        raise ValueError(
+            "an assistant model for an encoder-decoder target is not supported yet; use prompt lookup "
+            "(prompt_lookup_num_tokens=...) or the self-drafter (ViaSDConfig(self_draft_mask=...))"
+        )
 
 
 def check_takes_cache(model: nn.Module, role: str) -> None:

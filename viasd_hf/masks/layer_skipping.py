@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from viasd_hf.masks.architectures import decoder_layers, skipping_forward
+from viasd_hf.masks.architectures import decoder_layers, is_encoder_decoder, returned_form, skipping_forward
 from viasd_hf.masks.routing_mask import RoutingMask
 
 _MISSING = object()
@@ -89,6 +89,8 @@ def skipping(model: nn.Module, skipped: Sequence[int]) -> Iterator[nn.Module]:
     """
     all_layers = decoder_layers(model)
     layers = [all_layers[index] for index in skipped]
+    if layers and not is_encoder_decoder(model):
+        returned_form(model)  # learnt once, by a pass of the first layer, before the lock is taken
     held: list[nn.Module] = []
     try:
         with _LOCK:

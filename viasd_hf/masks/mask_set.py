@@ -39,6 +39,7 @@ from viasd_hf.masks.repo import (
 )
 from viasd_hf.masks.routing_mask import (
     MALFORMED_MASK_ERRORS,
+    MaskNotFoundError,
     RoutingMask,
     RoutingMaskError,
     check_pushable,
@@ -210,7 +211,7 @@ class MaskSet:
         try:
             found = find_pair_file(api, target, drafter, repo_id, lookup, (MASK_SET_FILENAME, MASK_FILENAME))
         except NotFoundError as error:
-            raise RoutingMaskError(str(error)) from error
+            raise MaskNotFoundError(str(error)) from error
         if found.path.name == MASK_FILENAME:
             return cls({SINGLE_MEMBER: RoutingMask.from_pretrained(found.path)}), found.where
         if found.repo_id is None:

@@ -29,8 +29,12 @@ Where a pair's mask is looked up:
 
 - with an explicit ``repo_id`` or ``revision``: that repo and revision only. A miss is an error;
   the shipped masks never stand in for an explicit request.
-- by default (``$VIASD_MASKS_REPO``, else the project's repo; ``main``): that repo, then the
-  shipped folder, which is only ever read from disk.
+- by default: the user's masks folder (:func:`user_masks_dir`, where ``viasd search`` saves), then
+  the masks repo (``$VIASD_MASKS_REPO``, else the project's repo; ``main``), then the shipped
+  folder. The user's folder and the shipped one are only ever read from disk.
+
+A model loaded from a local folder is named by that folder's absolute path (:func:`pair_id`), so a
+mask searched for ``./my-model`` is found wherever the program that loads it runs.
 
 In each place, a pair's mask set is looked for before its single mask when both are asked for.
 """
@@ -38,10 +42,11 @@ In each place, a pair's mask set is looked for before its single mask when both 
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import NamedTuple
 
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import EntryNotFoundError
 
 from viasd_hf.hub.files import HUB_MISSES, Lookup, NotFoundError, describe_miss, fetch, not_found_message
@@ -52,6 +57,7 @@ MEMBERS_FOLDER = "masks"  # a mask set's members, but its default (routing_mask.
 SEARCH_LOG_FILENAME = "search_log.jsonl"
 DEFAULT_MASKS_REPO = "viasd-hf/routing-masks"
 MASKS_REPO_ENV = "VIASD_MASKS_REPO"
+USER_MASKS_ENV = "VIASD_MASKS_DIR"
 
 MODEL_FREE = "model-free"
 SELF_DRAFT = "self-draft"
@@ -64,6 +70,26 @@ HOW_TO_GET_A_MASK = (
     "To get a mask: search one for the model with `viasd search` (and publish it with `viasd push`), "
     "or download a published one with `viasd pull --target TARGET --drafter DRAFTER --repo-id REPO --out DIR`."
 )
+
+
+def pair_id(model_id: str) -> str:
+    """How a model is named in a pair: its Hub id or zoo name as given, or, for a local folder, its absolute path."""
+    return os.path.abspath(model_id) if model_id and os.path.isdir(model_id) else model_id
+
+
+def search_command(target: str, drafter: str = "self") -> str:
+    """The ``viasd search`` command that finds the ``(target, drafter)`` pair's mask and saves it where the next
+    ``generate`` for that pair looks first."""
+    words = ["viasd", "search", "--target", pair_id(target)]
+    if drafter != "self":
+        words += ["--drafter", pair_id(drafter)]
+    return shlex.join(words)
+
+
+def user_masks_dir() -> Path:
+    """The user's own masks, in the layout of a masks repo: ``$VIASD_MASKS_DIR``, else ``viasd_hf/masks`` in the
+    Hugging Face home folder (``$HF_HOME``, by default ``~/.cache/huggingface``)."""
+    return Path(os.environ.get(USER_MASKS_ENV) or Path(constants.HF_HOME) / "viasd_hf" / "masks")
 
 
 def model_slug(model_id: str) -> str:
@@ -132,6 +158,7 @@ def find_pair_file(
     place (a draft vocabulary is the target's, so any drafter may use the ``model-free`` one).
     Raises ``NotFoundError`` naming every place it looked, ``what`` it looked for and ``how_to`` get one.
     """
+    target, drafter = pair_id(target), pair_id(drafter)
     headline = f"no {what} for target {target!r} with drafter {drafter!r}"
     if not model_slug(target):  # a model built from a config has no name to look its pair up by
         raise NotFoundError(
@@ -142,6 +169,10 @@ def find_pair_file(
     explicit = repo_id is not None or lookup["revision"] is not None
     repo_id = repo_id or default_masks_repo()
     looked: list[str] = []
+    if not explicit:
+        found = _on_disk(user_masks_dir(), "the user's masks", target, folders, filenames, looked)
+        if found is not None:
+            return found
     for filename, note in _paths_on_hub(target, folders, filenames):
         try:
             return PairFile(*fetch(api, repo_id, filename, lookup), repo_id, filename)
@@ -154,13 +185,23 @@ def find_pair_file(
             not_found_message(headline, looked, how_to) + "\nThe files shipped with viasd_hf are only "
             "used when neither repo_id nor revision is given."
         )
+    found = _on_disk(shipped_mask_dir(), "the files shipped with viasd_hf", target, folders, filenames, looked)
+    if found is not None:
+        return found
+    raise NotFoundError(not_found_message(headline, looked, how_to))
+
+
+def _on_disk(
+    root: Path, where: str, target: str, folders: tuple[str, ...], filenames: tuple[str, ...], looked: list[str]
+) -> PairFile | None:
+    """The first of the pair's files under ``root`` (a folder in a masks repo's layout), noting each miss in ``looked``."""
     for folder in folders:
         for filename in filenames:
-            shipped = shipped_mask_dir() / model_slug(target) / folder / filename
-            if shipped.is_file():
-                return PairFile(shipped, f"the files shipped with viasd_hf ({shipped})", None, None)
-            looked.append(f"shipped with viasd_hf: no {shipped}")
-    raise NotFoundError(not_found_message(headline, looked, how_to))
+            path = root / model_slug(target) / folder / filename
+            if path.is_file():
+                return PairFile(path, f"{where} ({path})", None, None)
+            looked.append(f"{where}: no {path}")
+    return None
 
 
 def _paths_on_hub(target: str, folders: tuple[str, ...], filenames: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -44,6 +44,10 @@ class RoutingMaskError(ValueError):
     """A routing mask that is malformed or does not belong to the model it is applied to."""
 
 
+class MaskNotFoundError(RoutingMaskError):
+    """No routing mask where one was looked for (the message names every place, and how to get one)."""
+
+
 # What reading a mask file can raise when the file is malformed (RoutingMaskError is a ValueError,
 # and so are JSON and Unicode decoding errors; wrongly typed fields may raise TypeError).
 MALFORMED_MASK_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
@@ -68,7 +72,7 @@ class RoutingMask(HubMixin):
     hub_filename = MASK_FILENAME
     hub_kind = "routing mask"
     hub_advice = HOW_TO_GET_A_MASK
-    not_found_error = RoutingMaskError
+    not_found_error = MaskNotFoundError
     malformed_error = RoutingMaskError
 
     kept_layers: list[int]
@@ -261,7 +265,7 @@ class RoutingMask(HubMixin):
         try:
             found = find_pair_file(api, target, drafter, repo_id, lookup)
         except NotFoundError as error:
-            raise RoutingMaskError(str(error)) from error
+            raise MaskNotFoundError(str(error)) from error
         return cls._read(found.path), found.where
 
     def push_to_hub(

@@ -3,8 +3,10 @@
 
 - ``loop``: the decode loop, one short step per decision of the paper's algorithm;
 - ``ragged_cache``: one rectangular KV cache per model, each row ragged inside it (the scheme, and why);
+- ``position_masks``: attention masks by token position, for models with sliding-window layers;
 - ``acceptance``: each row verified on its own by the single-sequence rules;
 - ``drafting``: the assistant model, prompt lookup, the two together and the self-drafter, for every row at once;
+- ``translating``: an assistant model of another tokenizer, its drafts translated to the target's tokens;
 - ``rows``: each prompt's committed sequence, its stopping criteria and the padded output;
 - ``stats``: totals and one ``ViaSDStats`` per row;
 - ``preconditions``: what a batch may ask for, and the reason and fix for the rest.

@@ -313,38 +313,24 @@ class BatchLookup:
     compactions = 0
 
 
-class BatchHybrid:
-    """Prompt lookup where a row's trailing n-gram occurred before, the assistant for the other rows; the assistant's
-    passes run only when some row has nothing to copy (and then feed every row what it committed)."""
+class AroundAssistant:
+    """A drafter around an assistant's drafter, which holds the only cache: it reads and commits the rows as
+    ``assistant_rows`` gives them (the rows themselves, unless a subclass says else), and rows leave it, and it tidies
+    and compacts, as the assistant does."""
 
-    name = "hybrid"
+    assistant: BatchDrafter
 
-    def __init__(self, lookup: BatchLookup, assistant: BatchAssistant) -> None:
-        self.lookup = lookup
-        self.assistant = assistant
-
-    @property
-    def head(self) -> SubsetHead | None:
-        return self.assistant.head
+    def assistant_rows(self, rows: Rows) -> Rows:
+        return rows
 
     def unread(self, rows: Rows) -> int:
-        return self.assistant.unread(rows)
+        return self.assistant.unread(self.assistant_rows(rows))
 
     def read(self, rows: Rows) -> int:
-        return self.assistant.read(rows)
-
-    def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
-              keep_drafting: KeepDraftingRows | None) -> BatchDraft:
-        copied = self.lookup.draft(rows, limits, rng, keep_drafting)
-        model_limits = [0 if tokens else limit for tokens, limit in zip(copied.tokens, limits)]
-        if not any(model_limits):
-            return copied
-        drafted = self.assistant.draft(rows, model_limits, rng, keep_drafting)
-        return BatchDraft([copy if copy.tokens else own for copy, own in zip(copied.rows, drafted.rows)],
-                          drafted.forwards)
+        return self.assistant.read(self.assistant_rows(rows))
 
     def commit(self, rows: Rows) -> None:
-        self.assistant.commit(rows)
+        self.assistant.commit(self.assistant_rows(rows))
 
     def select(self, staying: torch.Tensor) -> None:
         self.assistant.select(staying)
@@ -355,6 +341,31 @@ class BatchHybrid:
     @property
     def compactions(self) -> int:
         return self.assistant.compactions
+
+
+class BatchHybrid(AroundAssistant):
+    """Prompt lookup where a row's trailing n-gram occurred before, the assistant for the other rows; the assistant's
+    passes run only when some row has nothing to copy (and then feed every row what it committed)."""
+
+    name = "hybrid"
+
+    def __init__(self, lookup: BatchLookup, assistant: BatchDrafter) -> None:
+        self.lookup = lookup
+        self.assistant = assistant
+
+    @property
+    def head(self) -> SubsetHead | None:
+        return self.assistant.head
+
+    def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
+              keep_drafting: KeepDraftingRows | None) -> BatchDraft:
+        copied = self.lookup.draft(rows, limits, rng, keep_drafting)
+        model_limits = [0 if tokens else limit for tokens, limit in zip(copied.tokens, limits)]
+        if not any(model_limits):
+            return copied
+        drafted = self.assistant.draft(rows, model_limits, rng, keep_drafting)
+        return BatchDraft([copy if copy.tokens else own for copy, own in zip(copied.rows, drafted.rows)],
+                          drafted.forwards)
 
 
 def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter | None,

@@ -6,6 +6,11 @@ prompt lookup, both, or the self-drafter. ``return_dict_in_generate`` returns th
 and, where asked for, each new token's scores and logits, step by step as ``generate`` returns them
 (``rows.Rows.per_step``). With a ``MaskSet`` the slim tier runs its default mask. A draft vocabulary serves the
 drafter, not the slim tier, and the runner-up leaf is left out: they change only speed.
+
+The target and the assistant may have sliding-window layers (every layer, or some beside full-attention ones, as
+``config.layer_types`` or ``sliding_window`` says), on SDPA or eager attention: the ragged cache masks each row's
+window by its tokens' positions (``position_masks``). Layers of other kinds (chunked or linear attention, a cache
+shared between layers) and, with sliding windows, attention that reads no 4D mask (flash, flex) are refused.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria
 
-from viasd_hf.engine.kv_cache import check_empty, full_attention_only, new_cache
+from viasd_hf.engine.batch.position_masks import unmaskable
+from viasd_hf.engine.kv_cache import check_empty
 from viasd_hf.masks.architectures import is_encoder_decoder, model_config
 
 SUPPORTED = ("batched VIA-SD decodes left-padded prompts in lossless or tiered mode, greedily or sampling, drafted "
@@ -52,9 +58,10 @@ def check_batch_supported(
     check_padding(input_ids, model_kwargs, refuse)
     check_stopping(stopping_criteria, refuse)
     for which, module in (("target", model), ("assistant model", drafter)):
-        if module is not None and not full_attention_only(new_cache(model_config(module))):
-            refuse(f"batched VIA-SD keeps rejected drafts as masked holes in one cache per model, which the {which}'s "
-                   "sliding-window (or other non-dynamic) cache layers cannot hold", ONE_AT_A_TIME)
+        why = unmaskable(model_config(module)) if module is not None else None
+        if why is not None:
+            refuse(f"batched VIA-SD keeps rejected drafts as masked holes in one cache per model, and the {which} "
+                   f"{why}", ONE_AT_A_TIME)
 
 
 def check_padding(input_ids: torch.Tensor, model_kwargs: dict[str, Any], refuse: Refuse) -> None:

@@ -10,6 +10,10 @@ The scheme:
 - **Positions from the mask.** A token's position id is the number of its row's tokens before it
   (``cumsum − 1``), so holes shift nothing: to the model each row is one contiguous sequence, as in
   ``generate``'s batched decoding of left-padded prompts.
+- **Sliding windows by position.** For a model with sliding-window layers every layer of the cache is a
+  plain ``DynamicLayer`` (nothing is evicted) and the attention masks are computed from positions, not
+  columns (``position_masks``): a hole between two of a row's tokens would otherwise count towards the
+  window. A model of full-attention layers only gets transformers' masks from the 2D mask, as ``generate``'s.
 - **Ragged acceptance.** After a pass each row keeps its own number of the tokens it fed
   (``forget_last``): the rest become holes, and columns no row holds any more are cropped off the end.
 - **Compaction.** When the columns a compaction would free (all columns but the longest row's
@@ -18,10 +22,13 @@ The scheme:
 - **Rows leave.** A finished row is index-selected out of every layer and the mask (``select``).
 
 Why this scheme: transformers builds attention masks from any 2D key mask (``masking_utils``: causal
-by column, padding by the mask), so a hole costs only its column, with no kernel of our own. The
+by column, padding by the mask), so a hole costs only its column, with no kernel of our own; a window
+counted in tokens is one more term of a mask built by position, which transformers takes ready-made. The
 alternative, moving every row's keys and values into place after each block, copies the whole
 cache every block; a block leaves at most a draft's length of holes per row, so holes pile up
-slowly and an occasional compaction (one copy of the cache) is far cheaper.
+slowly and an occasional compaction (one copy of the cache) is far cheaper. Keeping every column of a
+sliding layer costs memory a ``DynamicSlidingWindowLayer`` would free, but eviction goes by columns, and
+a row's window, measured in its own tokens, spans more columns the more holes it has.
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import DynamicCache, PretrainedConfig
 
+from viasd_hf.engine.batch.position_masks import SlidingWindows
 from viasd_hf.engine.kv_cache import crop_to, new_cache, self_attention_layers
 from viasd_hf.vocabulary.head import SubsetHead
 
@@ -45,7 +53,8 @@ class RaggedCache:
     """A model's KV cache for a batch: ``mask[r, c]`` says whether column ``c`` holds a token of row ``r``."""
 
     def __init__(self, config: PretrainedConfig, rows: int, device: torch.device) -> None:
-        self.cache = new_cache(config)
+        self.windows = SlidingWindows.of(config)  # None: full attention only, masked by transformers from ``mask``
+        self.cache = new_cache(config) if self.windows is None else DynamicCache()  # no layer evicts a column
         self.mask = torch.zeros((rows, 0), dtype=torch.long, device=device)
         self.compactions = 0
 
@@ -61,19 +70,21 @@ class RaggedCache:
         """The share of the cache's cells that hold nothing (left padding included)."""
         return 1.0 - float(self.mask.float().mean()) if self.columns else 0.0
 
-    def layout(self, real: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The attention mask and position ids of a pass feeding ``real.shape[1]`` columns (``real``: which of them
-        hold a token of the row) after the cache's columns."""
+    def layout(self, real: torch.Tensor, model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """For a pass of ``model`` feeding ``real.shape[1]`` columns (``real``: which of them hold a token of the row)
+        after the cache's columns: the cache's mask once it holds them, and the pass's attention mask and position
+        ids."""
         mask = torch.cat([self.mask, real.long()], dim=-1)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, self.columns :]
-        return {"attention_mask": mask, "position_ids": positions}
+        positions = mask.cumsum(-1) - 1  # a hole: its row's last position before it; −1 before the row's first token
+        attention = mask if self.windows is None else self.windows.masks(mask, positions, real.shape[1], model)
+        return mask, {"attention_mask": attention, "position_ids": positions[:, self.columns :].clamp(min=0)}
 
     def run(self, model: nn.Module, tokens: torch.Tensor, real: torch.Tensor, keep: int) -> torch.Tensor:
         """Logits ``[rows, keep, vocab]`` of the last ``keep`` columns of ``tokens`` ``[rows, width]``, fed after the
         cache's columns; the new columns stay in the cache, holding the tokens ``real`` marks."""
-        layout = self.layout(real)
+        mask, layout = self.layout(real, model)
         output = model(tokens, cache=self.cache, use_cache=True, logits_to_keep=keep, **layout)
-        self.mask = layout["attention_mask"]
+        self.mask = mask
         return output.logits
 
     def newest(self, model: nn.Module, tokens: torch.Tensor, real: torch.Tensor,
@@ -83,9 +94,9 @@ class RaggedCache:
         rows only, −inf elsewhere."""
         if head is None:
             return newest_columns(self.run(model, tokens, real, keep=tokens.shape[1]), real)
-        layout = self.layout(real)
+        mask, layout = self.layout(real, model)
         hidden = head.hidden(model, tokens, self.cache, **layout)
-        self.mask = layout["attention_mask"]
+        self.mask = mask
         return head.spread(newest_columns(hidden, real))
 
     @contextmanager

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoTokenizer, DynamicCache, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, Cache, PretrainedConfig
 
 from viasd_hf.calibration.windows import encode_prompt, spec_bench_prompts, split_prompts
-from viasd_hf.engine.kv_cache import crop_to
+from viasd_hf.engine.kv_cache import crop_to, new_cache
 from viasd_hf.models.quantization.invariance import batch_invariant
 from viasd_hf.models.quantization.probe import failure, ruled_out_by_screen, screen
 from viasd_hf.models.quantization.schemes import (
@@ -160,15 +160,14 @@ class _Timed:
     timings do not depend on the cached values, and a bf16 prefill where bf16 is emulated takes half a minute)."""
 
     def __init__(self, model: nn.Module, context: torch.Tensor, block: torch.Tensor,
-                 seed: DynamicCache | None = None) -> None:
+                 seed: Cache | None = None) -> None:
         self.model, self.block, self.length = model, block, context.shape[1]
-        self.cache = DynamicCache(config=model.config)
         self.decode: list[float] = []
         self.verify: list[float] = []
         if seed is not None:
-            for layer, (keys, values) in enumerate(_layers(seed)):
-                self.cache.update(keys.to(model.dtype), values.to(model.dtype), layer)
+            self.cache = _cast(seed, model.dtype)
         else:
+            self.cache = new_cache(model.config)  # its sliding layers (if any) can be cropped back after each pass
             with torch.no_grad():
                 model(context, cache=self.cache, use_cache=True)
         self._time(block[:, :1])  # warm-up
@@ -194,9 +193,15 @@ class _Timed:
         return sum(self.best_ms()) / 2
 
 
-def _layers(cache: DynamicCache) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's cached keys and values."""
-    return ((layer.keys, layer.values) for layer in cache.layers)
+def _cast(cache: Cache, dtype: torch.dtype) -> Cache:
+    """A copy of ``cache`` holding its keys and values in ``dtype``. Each layer is copied as it is, bookkeeping and all:
+    a sliding-window layer holds only its window but counts every token it was fed, and crops and sizes its masks by
+    that count, so refilling a fresh layer with the window's keys would leave it counting the wrong tokens."""
+    cast = copy.copy(cache)
+    cast.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in cast.layers:
+        layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
+    return cast
 
 
 def _context(windows: Sequence[torch.Tensor], options: MeasureOptions) -> tuple[torch.Tensor, torch.Tensor]:
