@@ -102,8 +102,7 @@ def masks_for_call(
             drafting_mask = rule_mask(model, SELF_DRAFT_SKIP_RATIO)
             missing.append(f"no self-drafting mask, so the self-drafter skips layers {drafting_mask.skipped_layers} "
                            f"by rule (`{_search(model, 'self-drafter')}` finds a better one)")
-    if missing:
-        _say_once(model, ("missing", drafter_id, self_drafts), f"viasd_hf: {model_name(model)}: {'; '.join(missing)}")
+    _say_once(model, missing)
     return CallMasks(slim_masks, drafting_mask)
 
 
@@ -132,9 +131,12 @@ def _pair_or_none(spec: Any, model: nn.Module, drafter_id: str, resolve: Callabl
     return _for_calls.get(model, ("pair", resolve.__name__, model_name(model), drafter_id, default_masks_repo()), lookup)
 
 
-def _say_once(model: nn.Module, key: tuple, line: str) -> None:
-    """Log ``line`` as a warning the first time ``key`` comes up for ``model`` (one line on stderr by default)."""
-    _for_calls.get(model, ("said", *key), lambda: logger.warning(line))
+def _say_once(model: nn.Module, missing: list[str]) -> None:
+    """Log, as one warning line, those of the ``missing`` masks not yet said for ``model`` (stderr by default)."""
+    fresh = object()
+    new = [what for what in missing if _for_calls.get(model, ("said", what), lambda: fresh) is fresh]
+    if new:
+        logger.warning(f"viasd_hf: {model_name(model)}: {'; '.join(new)}")
 
 
 def clear_mask_cache(model: nn.Module | None = None) -> None:
