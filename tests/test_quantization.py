@@ -85,10 +85,10 @@ def test_aliases_name_schemes_and_unknown_names_list_the_valid_ones():
         load_pretrained("unused", quantization="int3")
 
 
-def test_a_missing_library_names_the_pip_install(monkeypatch):
+def test_a_missing_library_names_the_extra_that_installs_it(monkeypatch):
     missing = dataclasses.replace(SCHEMES["torchao-int8"], library="viasd_no_such_module")
     monkeypatch.setitem(SCHEMES, "torchao-int8", missing)
-    with pytest.raises(QuantizationUnavailableError, match=r"pip install 'torchao>="):
+    with pytest.raises(QuantizationUnavailableError, match=r"viasd_no_such_module: pip install 'viasd_hf\[quant\]'"):
         load_pretrained("unused", quantization="torchao-int8")
 
 

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import sacrebleu
-from rouge_score import rouge_scorer
-
 from viasd_hf.data.tasks import Example
+from viasd_hf.extras import require
+
+sacrebleu = require("sacrebleu", "bench", "viasd bench")
+rouge_scorer = require("rouge_score.rouge_scorer", "bench", "viasd bench")
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 # A minus sign only when it does not join two numbers ("10-20" is 10 and 20, not 10 and -20).

@@ -14,6 +14,7 @@ import transformers
 
 from viasd_hf import __version__
 from viasd_hf.engine.attention import Bucket, kernel_choices
+from viasd_hf.extras import require
 
 QUALITY_COLUMNS = (("rougeL", "ROUGE-L"), ("bleu", "BLEU"), ("chrf", "chrF"), ("exact_match", "EM"), ("pass@1", "pass@1"))
 
@@ -157,10 +158,8 @@ def environment(bandwidth_gb_s: float | None = None) -> dict[str, Any]:
 def plots(summary: dict[str, dict[str, Any]], directory: str | Path) -> list[Path]:
     """``speedup_vs_quality.png`` (speed-up against greedy agreement per method) and ``tier_fractions.png``
     (who produced the tokens, per task, for each method that drafts)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    require("matplotlib", "bench", "viasd bench --plots").use("Agg")
+    plt = require("matplotlib.pyplot", "bench", "viasd bench --plots")
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

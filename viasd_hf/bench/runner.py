@@ -19,7 +19,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
 import torch
 from tqdm.auto import tqdm
 
@@ -27,6 +26,9 @@ from viasd_hf.bench.methods import Method, Outcome
 from viasd_hf.bench.quality import quality
 from viasd_hf.bench.traces import CallTracer
 from viasd_hf.data.tasks import Example
+from viasd_hf.extras import require
+
+psutil = require("psutil", "bench", "viasd bench")
 
 TIERS = ("drafter", "slim", "full")
 

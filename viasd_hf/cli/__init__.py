@@ -14,6 +14,7 @@ from viasd_hf.cli.profile import add_profile_command
 from viasd_hf.cli.replay import add_replay_command
 from viasd_hf.cli.search import add_search_command
 from viasd_hf.cli.vocab import add_vocab_command
+from viasd_hf.extras import MissingExtraError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand; a mistake in the arguments is one line on stderr and exit status 2, not a traceback."""
+    """Run one subcommand; a mistake in the arguments is one line on stderr and exit status 2, not a traceback, and so
+    is an optional package the subcommand needs and lacks, with exit status 1."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse: --help (0), or its usage and one error line (2)
@@ -48,3 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     except CommandError as error:
         print(f"viasd {args.command}: error: {error}", file=sys.stderr)
         return error.exit_status
+    except MissingExtraError as error:
+        print(f"viasd {args.command}: error: {error}", file=sys.stderr)
+        return 1

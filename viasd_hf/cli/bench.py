@@ -56,6 +56,7 @@ from viasd_hf.cli.args import (
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.data.tasks import DATASETS, Example, load_examples, load_jsonl
 from viasd_hf.drafters.precision import drafting_copy
+from viasd_hf.extras import require
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
 from viasd_hf.models.quantization import (
@@ -221,6 +222,7 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
         check_output_file(args.json, "--json")
     if args.plots:
         check_output_dir(args.plots, "--plots")
+        require("matplotlib", "bench", "viasd bench --plots")
     if args.traces:
         check_output_dir(args.traces, "--traces")
         if any(_in_float32(name) for name in names):

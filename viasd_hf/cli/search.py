@@ -32,6 +32,7 @@ from viasd_hf.cli.args import (
     skip_fractions,
 )
 from viasd_hf.dimr import OBJECTIVES, search
+from viasd_hf.extras import require
 from viasd_hf.masks.repo import pair_folder, pair_id, user_masks_dir
 
 CORPORA = ("spec-bench", "stratified")
@@ -168,6 +169,7 @@ def run_search_command(args: argparse.Namespace) -> int:
     args.out = args.out or str(user_masks_dir() / pair_folder(pair_id(args.target), pair_id(args.drafter or "self")))
     _resolve_corpus_defaults(args)
     _check_search_args(args)
+    require("skopt", "search", "viasd search")  # missing, said before a model loads
     target, tokenizer = load_model(args.target, args.dtype, "--target")
     drafter = load_model(args.drafter, args.dtype, "--drafter")[0] if drafted else None
     if args.corpus == "stratified":  # the corpus seed is fixed, so its held-out split stays the one masks are judged on

@@ -7,9 +7,9 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 
-from skopt import Optimizer
-from skopt.space import Real
-from threadpoolctl import threadpool_limits
+from viasd_hf.extras import require
+
+_FEATURE = "DIMR's Bayesian optimisation (viasd search)"
 
 
 class Proposals:
@@ -31,8 +31,10 @@ class Proposals:
         self.k = k
         self.total = math.comb(len(self.layers), k)
         self.rng = random.Random(seed)
-        self.optimizer = Optimizer(
-            [Real(0.0, 1.0) for _ in self.layers],
+        skopt = require("skopt", "search", _FEATURE)
+        self._threadpool_limits = require("threadpoolctl", "search", _FEATURE).threadpool_limits
+        self.optimizer = skopt.Optimizer(
+            [skopt.space.Real(0.0, 1.0) for _ in self.layers],
             base_estimator="GP",
             n_initial_points=initial_points,
             acq_optimizer="sampling",
@@ -54,7 +56,7 @@ class Proposals:
             skip = self.mask_of(point)
             if skip not in seen:
                 return skip, point
-            with threadpool_limits(1):
+            with self._threadpool_limits(1):
                 self.optimizer.tell(point, seen[skip])  # teach it the known value; ask again
         return None
 
@@ -71,7 +73,7 @@ class Proposals:
 
     def observe(self, point: list[float], value: float, fit: bool) -> None:
         """Record an evaluation; ``fit`` refits the GP (only needed before a BO proposal)."""
-        with threadpool_limits(1):
+        with self._threadpool_limits(1):
             self.optimizer.tell(point, value, fit=fit)
 
     def _swap(self, incumbent: tuple[int, ...], count: int) -> tuple[int, ...]:

@@ -22,18 +22,14 @@ memory; ``"as_loaded"`` keeps the drafter alone.
 """
 from __future__ import annotations
 
-import logging
 import threading
-import warnings
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from torch import nn
-from transformers.utils import logging as transformers_logging
 
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.drafters.model import Reader
+from viasd_hf.extras import quietly as _quietly
 from viasd_hf.models.quantization import UNQUANTIZED
 from viasd_hf.models.quantization.choice import resolve_drafting_form
 from viasd_hf.models.quantization.measure import converted
@@ -75,33 +71,6 @@ def fastest_form(drafter: nn.Module) -> nn.Module:
             _COPIES[drafter] = made
         copy = _COPIES[drafter]
     return drafter if copy is None else copy
-
-
-# libraries that log while a copy is made and measured: bitsandbytes' casts and kernel loads, the kernels Hub client
-_CHATTY_LOGGERS = ("bitsandbytes", "kernels")
-
-
-@contextmanager
-def _quietly() -> Iterator[None]:
-    """``generate`` prints nothing of its own: while the drafter's copies are saved, loaded and timed (once per
-    drafter), transformers' progress bars and the warnings and logs of the libraries that make them are held back."""
-    bars = transformers_logging.is_progress_bar_enabled()
-    verbosity = transformers_logging.get_verbosity()
-    levels = {name: logging.getLogger(name).level for name in _CHATTY_LOGGERS}
-    transformers_logging.disable_progress_bar()
-    transformers_logging.set_verbosity_error()
-    for name in _CHATTY_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
-        transformers_logging.set_verbosity(verbosity)
-        if bars:
-            transformers_logging.enable_progress_bar()
 
 
 def in_form(drafter: nn.Module, form: Scheme) -> bool:

@@ -33,6 +33,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from viasd_hf.extras import require
+
 MARKER = "viasd_zoo.json"
 
 
@@ -189,8 +191,7 @@ def _parsed_once() -> Iterator[None]:
     150k-token vocabulary and its merges in the metadata each parse takes ~20 s, the better part of a conversion.
     The reader is a read-only view of the file, so one parse can serve every caller.
     """
-    import gguf
-
+    gguf = require("gguf", "zoo", "converting a built-in model")
     original, readers = gguf.GGUFReader, {}
 
     def shared_reader(path, mode="r"):
@@ -252,6 +253,8 @@ def resolve_zoo_model(name: str, home: Path | None = None) -> Path:
     target = models_dir / name
     if _is_complete(target, model):
         return target
+    for package in ("gguf", "accelerate"):  # what transformers converts a GGUF with: missing, say so before fetching
+        require(package, "zoo", f"converting the built-in model {name!r}")
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp_root.mkdir(parents=True, exist_ok=True)
     with _exclusive(models_dir / f"{name}.lock", name):

@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from viasd_hf.extras import require
 
 
 def dequantized_twin(model: nn.Module) -> nn.Module | None:
@@ -98,11 +101,11 @@ def fewest_tokens_for_twin(model: nn.Module, twin: nn.Module, sizes: tuple[int, 
 def _dequantized(layer: nn.Module) -> nn.Linear:
     """A plain linear layer computing what the quantised ``layer`` computes, its weights dequantised once."""
     if _is_bnb_4bit(layer):
-        from bitsandbytes.functional import dequantize_4bit
-
+        functional = require("bitsandbytes.functional", "quant", "a bitsandbytes model's reader")
         state = layer.weight.quant_state
         dtype = state.dtype
-        weight = dequantize_4bit(layer.weight.data, state).to(dtype).reshape(layer.out_features, layer.in_features)
+        weight = functional.dequantize_4bit(layer.weight.data, state).to(dtype)
+        weight = weight.reshape(layer.out_features, layer.in_features)
     else:  # torchao: its kernel applied to the identity matrix gives the weights it multiplies by, transposed
         dtype = layer.weight.dtype
         identity = torch.eye(layer.in_features, dtype=dtype, device=layer.weight.device)
@@ -114,19 +117,15 @@ def _dequantized(layer: nn.Module) -> nn.Linear:
     return linear
 
 
+# A layer of a quantising library can only exist once that library is imported, so these tests import nothing: a
+# plain model's first call does not pay for importing bitsandbytes or torchao, nor show what they log as they load.
+
+
 def _is_bnb_4bit(module: nn.Module) -> bool:
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:
-        return False
-    return isinstance(module, Linear4bit)
+    nn_module = sys.modules.get("bitsandbytes.nn")
+    return nn_module is not None and isinstance(module, nn_module.Linear4bit)
 
 
 def _is_torchao_linear(module: nn.Module) -> bool:
-    if not isinstance(module, nn.Linear):
-        return False
-    try:
-        from torchao.utils import TorchAOBaseTensor
-    except ImportError:
-        return False
-    return isinstance(module.weight, TorchAOBaseTensor)
+    utils = sys.modules.get("torchao.utils")
+    return utils is not None and isinstance(module, nn.Linear) and isinstance(module.weight, utils.TorchAOBaseTensor)

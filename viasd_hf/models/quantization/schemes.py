@@ -8,7 +8,6 @@ scheme measured best for that width on CPU (README, "Quantised tiers").
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -19,6 +18,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
+from viasd_hf.extras import MissingExtraError, require
+
 AUTO = "auto"
 TORCHAO = "torchao>=0.18"  # the release these schemes were measured with; the int4 config is a prototype there
 
@@ -27,8 +28,8 @@ class QuantizationError(ValueError):
     """An unknown scheme name, or a request that mixes ``quantization=`` with ``quantization_config=``."""
 
 
-class QuantizationUnavailableError(ImportError):
-    """The library a scheme needs is not installed."""
+class QuantizationUnavailableError(MissingExtraError):
+    """The library a scheme needs is not installed (``pip install 'viasd_hf[quant]'`` installs it)."""
 
 
 def _bnb_4bit() -> Any:
@@ -59,7 +60,7 @@ def _torchao(config_name: str, module: str = "torchao.quantization", **options: 
     def build() -> Any:
         from transformers import TorchAoConfig
 
-        config_class = getattr(importlib.import_module(module), config_name)
+        config_class = getattr(require(module, "quant", f"quantization config {config_name}"), config_name)
         return TorchAoConfig(config_class(**options))
 
     return build
@@ -91,11 +92,12 @@ class Scheme:
         return importlib.util.find_spec(self.library) is not None
 
     def require(self) -> None:
-        if not self.available:
-            raise QuantizationUnavailableError(
-                f"quantization scheme {self.name!r} needs the {self.library!r} package; "
-                f"install it with `pip install '{self.requirement}'`"
-            )
+        """Import the scheme's library (quietly: bitsandbytes and torchao log as they load), or raise
+        :class:`QuantizationUnavailableError` naming the extra that installs it."""
+        try:
+            require(self.library, "quant", f"quantization scheme {self.name!r}")
+        except MissingExtraError as error:
+            raise QuantizationUnavailableError(str(error)) from error.__cause__
 
     def from_pretrained_kwargs(self) -> dict[str, Any]:
         """The keyword arguments ``from_pretrained`` needs (``dtype`` is left to the caller)."""
