@@ -1,5 +1,6 @@
-"""A lean install: ``pip install viasd_hf`` alone runs ``generate`` and ``viasd --help``, and a feature that needs
-an optional package names the extra that installs it.
+"""A lean install: ``pip install viasd_hf`` alone runs ``generate`` and ``viasd --help``, a feature that needs an
+optional package names the extra that installs it, and nothing prints what a library says on its own as it is
+imported or as it deprecates: only results and progress.
 
 "Not installed" is played in a subprocess whose import system cannot find the optional packages (neither to import
 them nor for transformers' checks of what is installed), as in an environment without them."""
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_causal_lm
 from viasd_hf.extras import MissingExtraError, quietly, require
+from viasd_hf.models.quantization import MeasureOptions, cached_measure
 
 ROOT = Path(__file__).resolve().parents[1]
 # every package the extras bring (and the packages those bring that transformers looks for), by module name
@@ -106,6 +109,53 @@ def test_a_feature_without_its_optional_package_names_the_extra_that_installs_it
     # a subcommand says it in one line, not a traceback
     assert lines[1] == "exit 1"
     assert done.stderr == f"viasd bench: error: {messages['bench']}\n"
+
+
+def test_import_and_help_print_nothing_of_the_libraries(tmp_path):
+    """With every extra installed (this environment): torchao, imported by transformers' models where it is
+    installed, logs the kernels it cannot load, and torch's pytree logs torchao's deprecated registrations."""
+    done = python("""
+        import viasd_hf
+        from viasd_hf.cli import main
+        main(["--help"])
+    """, tmp_path)  # fmt: skip
+    assert (done.returncode, done.stderr) == (0, "") and done.stdout.startswith("usage: viasd")
+
+
+def test_a_first_generate_prints_its_result_only(tmp_path):
+    """A user's first call: the drafter's fastest form is measured on this machine (every installed quantisation
+    library imported, its copies made and timed); then HF assisted generation as the ``viasd`` commands run it."""
+    done = python("""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+        from viasd_hf.extras import hide_assisted_generation_deprecation
+
+        def tiny(layers, seed):
+            torch.manual_seed(seed)
+            config = AutoConfig.for_model("llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
+            return AutoModelForCausalLM.from_config(config).eval()
+
+        target, drafter = enable_viasd(tiny(6, 0)), tiny(2, 1)
+        ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+        config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), plain_fallback=False)
+        ours = target.generate(ids, assistant_model=drafter, viasd_config=config, max_new_tokens=8, do_sample=False)
+        hide_assisted_generation_deprecation()
+        theirs = target.generate(ids, assistant_model=drafter, viasd_config=None, max_new_tokens=8, do_sample=False)
+        print(ours.tolist() == theirs.tolist())
+    """, tmp_path)  # fmt: skip
+    assert (done.returncode, done.stderr, done.stdout) == (0, "", "True\n")
+    assert list((tmp_path / "home" / "quantization").glob("*architecture*.json")), "the drafter's forms were measured"
+
+
+def test_measuring_a_model_shows_progress_and_no_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VIASD_HOME", str(tmp_path))
+    options = MeasureOptions(prompts=2, prompt_tokens=16, context=16, repeats=2, threads=1)
+    cached_measure(tiny_causal_lm("llama"), ["fp32"], options)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "| fp32 |" not in captured.err
 
 
 def test_quietly_holds_back_warnings_and_library_logs_and_keeps_the_filters_an_import_adds(caplog):

@@ -23,6 +23,9 @@ _DISTRIBUTIONS = {"skopt": "scikit-optimize", "rouge_score": "rouge-score"}
 # kernel libraries that do not load (and, through torch's pytree, its deprecated registrations), bitsandbytes its
 # casts and the Hub kernel it could not fetch, the kernels Hub client its trust checks
 _CHATTY_LOGGERS = ("bitsandbytes", "kernels", "torchao", "torch.utils._pytree")
+# what transformers' assisted generation logs, once a process, about its own call (its candidate generator hands the
+# assistant's generate a generation config and generation arguments both): nothing its caller can change
+_THEIR_OWN_DEPRECATION = "Passing `generation_config` together with generation-related arguments"
 
 
 class MissingExtraError(ImportError):
@@ -73,3 +76,16 @@ def quietly() -> Iterator[None]:
 
 def _unshown(*args: object, **kwargs: object) -> None:
     """``warnings.showwarning`` inside :func:`quietly`."""
+
+
+class _DropTheirOwnDeprecation(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_THEIR_OWN_DEPRECATION)
+
+
+def hide_assisted_generation_deprecation() -> None:
+    """From now on, drop the deprecation transformers' assisted generation logs about its own call of the
+    assistant's ``generate`` (for ``viasd`` commands, which run HF assisted generation as a baseline)."""
+    log = logging.getLogger("transformers.generation.utils")
+    if not any(isinstance(f, _DropTheirOwnDeprecation) for f in log.filters):
+        log.addFilter(_DropTheirOwnDeprecation())

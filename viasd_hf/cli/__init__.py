@@ -14,7 +14,7 @@ from viasd_hf.cli.profile import add_profile_command
 from viasd_hf.cli.replay import add_replay_command
 from viasd_hf.cli.search import add_search_command
 from viasd_hf.cli.vocab import add_vocab_command
-from viasd_hf.extras import MissingExtraError
+from viasd_hf.extras import MissingExtraError, hide_assisted_generation_deprecation
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse: --help (0), or its usage and one error line (2)
         return exit_.code if isinstance(exit_.code, int) else 1
+    hide_assisted_generation_deprecation()  # demo and bench run HF assisted generation, which warns about itself
     try:
         return args.handler(args)
     except CommandError as error:

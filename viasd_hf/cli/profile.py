@@ -44,8 +44,8 @@ def add_profile_command(subparsers: argparse._SubParsersAction) -> None:
 def _precision_choice(args: argparse.Namespace) -> QuantizationChoice:
     try:
         if args.draft_for:
-            return resolve_quantization(args.target, AUTO, draft_for=args.draft_for, print_table=False)
-        return resolve_dtype(args.target, print_table=False)
+            return resolve_quantization(args.target, AUTO, draft_for=args.draft_for)
+        return resolve_dtype(args.target)
     except (OSError, ValueError, zoo.ZooError) as error:
         raise CommandError(f"--target {args.target}: could not measure the model: {first_line(error)}") from error
 

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     available = [name for name, s in SCHEMES.items() if s.available]
     schemes = args.schemes or [*(unquantized_candidates() if args.draft_for else []), *available]
     options = MeasureOptions(context=args.context, repeats=args.repeats, threads=args.threads, judge=args.draft_for)
-    measurements = cached_measure(args.model, schemes, options, refresh=args.refresh, print_table=False)
+    measurements = cached_measure(args.model, schemes, options, refresh=args.refresh)
     cpu = cpu_identity()
     machine = f"{cpu['model']} ({cpu['id']}, {args.threads} threads, {', '.join(cpu['flags'])})"
     versions = ", ".join(f"{p} {library_version(p)}" for p in ("torch", "bitsandbytes", "torchao"))

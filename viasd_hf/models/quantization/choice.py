@@ -13,7 +13,6 @@ measuring parameters, so a second ``auto`` is instant.
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -189,7 +188,7 @@ def drafting_candidates() -> list[str]:
 def resolve_drafting_form(drafter: nn.Module, **measure_kwargs: Any) -> QuantizationChoice:
     """The form a drafter in memory drafts fastest in on this machine (:func:`fastest_drafting_form`), measured once
     per architecture, machine and library versions. ``measure_kwargs`` go to :func:`cached_measure`."""
-    measurements = cached_measure(drafter, drafting_candidates(), drafting=InMemoryDrafting(), **measure_kwargs)
+    measurements = cached_measure(drafter, drafting_candidates(), **measure_kwargs)
     name, reason = fastest_drafting_form(measurements)
     return QuantizationChoice(AUTO, FORMS[name], reason, tuple(measurements))
 
@@ -232,14 +231,11 @@ def cached_measure(
     options: MeasureOptions | None = None,
     refresh: bool = False,
     progress: bool = True,
-    print_table: bool = True,
-    drafting: InMemoryDrafting | None = None,
     **measure_kwargs: Any,
 ) -> list[Measurement]:
     """:func:`measure` of a checkpoint (a zoo name, folder or Hub id) or :func:`measure_in_memory` of a model, read
-    from ``$VIASD_HOME/quantization`` when this machine measured it before. What it measures now it prints (on
-    stderr) unless ``print_table`` is False or ``progress`` is, so a minute's wait shows what it bought; ``drafting``:
-    the table rules on the forms as for a drafter in memory (:class:`InMemoryDrafting`)."""
+    from ``$VIASD_HOME/quantization`` when this machine measured it before; a progress bar shows while it measures
+    unless ``progress`` is False. It prints nothing else: :func:`markdown_table` shows what was measured."""
     options = options or MeasureOptions()
     names = list(schemes if schemes is not None else SCHEMES)
     key = cache_key(subject, names, options)
@@ -254,8 +250,6 @@ def cached_measure(
         measurements = measure_in_memory(subject, names, options, progress=progress)
     else:
         measurements = measure(subject, names, options, progress=progress, **measure_kwargs)
-    if progress and print_table:
-        print(f"{key['model']} on {key['cpu']['model']}:\n{markdown_table(measurements, drafting=drafting)}", file=sys.stderr)
     write_record(path, {"key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                         "measurements": [asdict(m) for m in measurements]})  # fmt: skip
     return measurements
