@@ -22,8 +22,8 @@ from viasd_hf.extras import MissingExtraError, quietly, require
 from viasd_hf.models.quantization import MeasureOptions, cached_measure
 
 ROOT = Path(__file__).resolve().parents[1]
-# every package the extras bring (and the packages those bring that transformers looks for), by module name
-OPTIONAL = ("torchao", "bitsandbytes", "accelerate", "peft", "kernels", "skopt", "sklearn", "scipy", "threadpoolctl",
+# by module name, what the extras bring that viasd_hf or transformers would import: none is in a lean install
+OPTIONAL = ("torchao", "bitsandbytes", "accelerate", "peft", "skopt", "sklearn", "scipy", "threadpoolctl",
             "sacrebleu", "rouge_score", "nltk", "matplotlib", "psutil", "gguf")  # fmt: skip
 UNINSTALLED = """
 import importlib.machinery, sys

@@ -2,10 +2,10 @@
 
 ``pip install viasd_hf`` brings what ``generate`` needs: torch, transformers, huggingface-hub, safetensors and tqdm.
 Each extra brings the packages of one group of features (pyproject.toml): ``quant`` quantised tiers and drafting
-copies (bitsandbytes, torchao, accelerate), ``search`` DIMR's mask search (scikit-optimize), ``bench`` ``viasd
-bench``'s scores, memory and plots (rouge-score, sacrebleu, psutil, matplotlib), ``zoo`` the built-in models
-(gguf, accelerate); ``all`` every one. :func:`require` imports a package where a feature needs it, or says which
-extra installs it.
+copies (bitsandbytes, torchao, accelerate), ``search`` DIMR's mask search (scikit-optimize), ``bench`` the scores,
+memory and plots of ``viasd bench`` (rouge-score, sacrebleu, psutil, matplotlib), ``zoo`` the built-in models (gguf,
+accelerate); ``all`` every one. :func:`require` imports a package where a feature needs it, or says which extra
+installs it.
 """
 
 from __future__ import annotations
