@@ -11,7 +11,6 @@ from conftest import PassClock, zoo
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
 from viasd_hf.control.memory import tier_memory
 from viasd_hf.control.tier_controller import BlockCost, PricedBlocks, RepairLedger, TierController, measures_wall_clock
-from viasd_hf.engine import loop as decoding
 from viasd_hf.masks.architectures import decoder_layers
 
 
@@ -49,14 +48,14 @@ def test_the_controller_follows_a_change_of_costs():
 
 
 @pytest.mark.integration
-def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2(monkeypatch):
+def test_a_bad_mask_is_switched_off_for_most_blocks_on_smollm2(monkeypatch, speculating):
     model, tokenizer = zoo("smollm2-135m-instruct")
     enable_viasd(model)
     bad = RoutingMask.from_model(model, skip=list(range(2, 14)))  # 40 % of 30 layers: the slim tier is useless
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "List ten fruits, one per line."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     common = dict(max_new_tokens=96, do_sample=False, return_dict_in_generate=True, prompt_lookup_num_tokens=4)
-    measured = ViaSDConfig.paper(routing_mask=bad, tier_switching="measured", plain_fallback=False)
+    measured = ViaSDConfig.paper(routing_mask=bad, reproducible=False)
     with PassClock() as clock:  # a pass costs the decoder layers it runs: a slim pass its kept layers
         for layer in decoder_layers(model):
             clock.charge(layer, 1.0)
@@ -132,24 +131,25 @@ class ScriptedController(TierController):
 def test_a_block_that_clears_the_slim_backlog_is_charged_to_the_slim_tier(monkeypatch):
     """Otherwise a probe of the two-tier regime pays for tokens the slim tier committed, and the
     controller keeps a slim tier that does not pay."""
-    import viasd_hf.engine.loop as decoding
+    import viasd_hf.engine.batch.learning as learning
+    import viasd_hf.engine.batch.loop as decoding
     from conftest import tiny_causal_lm
 
     target = tiny_causal_lm("llama", seed=0)
     controller = ScriptedController([True, True, False, False])
-    monkeypatch.setattr(decoding, "tier_choice", lambda model, mask, drafter, config, do_sample: controller)
+    monkeypatch.setattr(learning, "tier_choice", lambda model, mask, drafter, config, do_sample: controller)
     backlogs = []
-    original_step = decoding.ViaSDDecoder.step
+    original_step = decoding.BatchedDecoder.step
 
-    def recording_step(self, state):
-        backlogs.append(state.length - state.target_cache.length - 1)
-        original_step(self, state)
+    def recording_step(self):
+        backlogs.append(self.rows.active[0].unverified)
+        original_step(self)
 
-    monkeypatch.setattr(decoding.ViaSDDecoder, "step", recording_step)
+    monkeypatch.setattr(decoding.BatchedDecoder, "step", recording_step)
     enable_viasd(target)
     mask = RoutingMask.from_model(target, skip=[2])
     # the slim tier accepts every draft; "fixed": draft lengths from weight sizes, not timings, so the pattern is the same on every run
-    config = ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, tier_switching="fixed")
+    config = ViaSDConfig.paper(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, reproducible=True)
     out = target.generate(torch.tensor([[3, 17, 5, 3, 17, 5]]), assistant_model=target, viasd_config=config,
                           max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
     wanted = [controller.pattern[i % 4] for i in range(len(backlogs))]
@@ -247,14 +247,14 @@ def test_a_repair_is_credited_by_what_the_full_model_did_with_it():
 
 
 @pytest.mark.integration
-def test_a_lossless_slim_tier_that_cannot_pay_is_probed_at_most_once_on_smollm2():
+def test_a_lossless_slim_tier_that_cannot_pay_is_probed_at_most_once_on_smollm2(speculating):
     model, tokenizer = zoo("smollm2-135m-instruct")
     enable_viasd(model)
     mask = RoutingMask.from_model(model, skip=list(range(2, 13)))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "List ten fruits, one per line."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     # every block speculates (no plain fallback), so the blocks counted are the tier controller's alone
-    config = ViaSDConfig(routing_mask=mask, mode="lossless", plain_fallback=False)
+    config = ViaSDConfig(routing_mask=mask, mode="lossless")
     stats = model.generate(ids, viasd_config=config, max_new_tokens=96, do_sample=False, return_dict_in_generate=True,
                            prompt_lookup_num_tokens=4).viasd_stats
     assert not stats.tier_switches
@@ -294,19 +294,17 @@ def test_noisy_blocks_still_let_a_slim_tier_that_pays_switch_on(seed):
     assert sum(choices) > 0.8 * len(choices)
 
 
-def test_auto_tier_switching_measures_only_where_the_choice_cannot_change_the_output():
-    assert measures_wall_clock("auto", lossless=True, do_sample=False)
+def test_by_default_timings_steer_only_where_the_choice_cannot_change_the_output():
+    assert measures_wall_clock(None, lossless=True, do_sample=False)
     for lossless, do_sample in [(True, True), (False, False), (False, True)]:
-        assert not measures_wall_clock("auto", lossless, do_sample)
-        assert measures_wall_clock("measured", lossless, do_sample)
-        assert not measures_wall_clock("fixed", lossless, do_sample)
+        assert not measures_wall_clock(None, lossless, do_sample)
+        assert measures_wall_clock(False, lossless, do_sample)
+        assert not measures_wall_clock(True, lossless, do_sample)
 
 
-def test_tier_switching_is_validated():
-    with pytest.raises(ValueError, match="tier_switching must be one of"):
-        ViaSDConfig(mode="tiered", tier_switching="wallclock")
-    with pytest.raises(ValueError, match="needs adaptive=True"):
-        ViaSDConfig(mode="tiered", adaptive=False, tier_switching="fixed")
+def test_reproducible_is_validated():
+    with pytest.raises(TypeError, match="reproducible must be True or False or None"):
+        ViaSDConfig(mode="tiered", reproducible="fixed")
 
 
 def generate_stats(target, mask, config: dict, do_sample: bool):
@@ -319,7 +317,7 @@ def generate_stats(target, mask, config: dict, do_sample: bool):
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
-def test_fixed_tier_switching_runs_the_slim_tier_as_the_mask_predicts_and_measures_nothing(do_sample):
+def test_a_reproducible_call_runs_the_slim_tier_as_the_mask_predicts_and_measures_nothing(do_sample):
     from conftest import tiny_causal_lm
 
     target = enable_viasd(tiny_causal_lm("llama", seed=0))
@@ -330,17 +328,17 @@ def test_fixed_tier_switching_runs_the_slim_tier_as_the_mask_predicts_and_measur
     stats, measured = generate_stats(target, mask, {"mode": "tiered"}, do_sample)
     assert not measured and stats.slim_on_blocks == 0 < stats.slim_off_blocks, "predicted not to pay"
     assert stats.slim_tier_verdict.startswith("off: fixed for the call")
-    stats, measured = generate_stats(target, mask, {"mode": "lossless", "tier_switching": "fixed"}, do_sample)
+    stats, measured = generate_stats(target, mask, {"mode": "lossless", "reproducible": True}, do_sample)
     assert not measured and stats.slim_on_blocks == 0 < stats.slim_off_blocks, "lossless: off, as a controller starts"
 
 
 @pytest.mark.parametrize("mode", ["tiered", "lossless"])
-def test_measured_tier_switching_hands_the_choice_to_the_persisted_controller(mode):
+def test_steering_timings_hand_the_choice_to_the_persisted_controller(mode):
     from conftest import tiny_causal_lm
 
     target = enable_viasd(tiny_causal_lm("llama", seed=0))
     mask = RoutingMask.from_model(target, skip=[2])
-    assert generate_stats(target, mask, {"mode": mode, "tier_switching": "measured"}, do_sample=True)[1]
+    assert generate_stats(target, mask, {"mode": mode, "reproducible": False}, do_sample=True)[1]
     assert generate_stats(target, mask, {"mode": mode}, do_sample=False)[1] == (mode == "lossless"), "auto"
 
 
@@ -441,6 +439,7 @@ class ShadowEveryBlock(TierController):
 
 def test_shadow_probes_put_none_of_the_slim_tiers_tokens_in_the_output(monkeypatch):
     """A slim tier that accepts every draft, probed in shadow on every block: the output is two-tier decoding's."""
+    import viasd_hf.engine.batch.learning as learning
     from conftest import tiny_causal_lm
 
     target = enable_viasd(tiny_causal_lm("llama", seed=0))
@@ -448,9 +447,9 @@ def test_shadow_probes_put_none_of_the_slim_tiers_tokens_in_the_output(monkeypat
     prompt = torch.tensor([[3, 17, 5, 3, 17, 5]])
     options = dict(assistant_model=target, max_new_tokens=30, do_sample=False, return_dict_in_generate=True)
     two_tier = target.generate(prompt, viasd_config=ViaSDConfig(mode="tiered", use_slim=False), **options)
-    monkeypatch.setattr(decoding, "tier_choice", lambda model, mask, drafter, config, do_sample: ShadowEveryBlock())
+    monkeypatch.setattr(learning, "tier_choice", lambda model, mask, drafter, config, do_sample: ShadowEveryBlock())
     # "fixed": draft lengths from weight sizes, not timings, so no block is left without a draft to probe
-    config = ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, tier_switching="fixed")
+    config = ViaSDConfig.paper(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, reproducible=True)
     shadowed = target.generate(prompt, viasd_config=config, **options)
     assert torch.equal(shadowed.sequences, two_tier.sequences)
     assert torch.equal(shadowed.sequences, target.generate(prompt, max_new_tokens=30, do_sample=False))

@@ -66,7 +66,7 @@ def test_tiered_mode_runs_with_a_mask_built_from_the_model(pair):
     middle = [layer for layer in range(1, len(decoder_layers(target))) if layer not in protected_layers(target)]
     mask = RoutingMask.from_model(target, skip=middle[:2])
     out = target.generate(torch.tensor([PROMPTS[0]]), assistant_model=assistant, return_dict_in_generate=True,
-                          viasd_config=ViaSDConfig(mode="tiered", routing_mask=mask, adaptive=False), **GREEDY)
+                          viasd_config=ViaSDConfig.paper(mode="tiered", routing_mask=mask, adaptive=False), **GREEDY)
     assert out.sequences.shape[1] == len(PROMPTS[0]) + NEW
     assert out.viasd_stats.slim_forwards > 0
 
@@ -88,7 +88,7 @@ def test_skipping_a_layer_is_running_the_model_without_it(pair):
     assert not torch.allclose(full, slim)
 
 
-def test_a_model_saved_to_the_users_folder_decodes_and_says_once_how_to_find_its_mask(tmp_path, caplog):
+def test_a_model_saved_to_the_users_folder_decodes_and_says_once_how_to_find_its_mask(tmp_path, caplog, speculating):
     """No mask is published for a user's own folder: lossless decoding runs without the slim tier and says so once, in
     one line naming the ``viasd search`` command; tiered mode, whose tokens are the slim tier's, refuses."""
     tiny_model_of("llama").save_pretrained(tmp_path / "my-target")
@@ -143,12 +143,12 @@ def test_viasd_search_on_the_users_folder_saves_the_mask_where_generate_finds_it
     clear_mask_cache()
     target = enable_viasd(AutoModelForCausalLM.from_pretrained(folder).eval())
     out = target.generate(torch.tensor([PROMPTS[0]]), prompt_lookup_num_tokens=3, return_dict_in_generate=True,
-                          viasd_config=ViaSDConfig(mode="tiered", adaptive=False), **GREEDY)
+                          viasd_config=ViaSDConfig.paper(mode="tiered", adaptive=False), **GREEDY)
     assert out.viasd_stats.slim_forwards > 0
 
 
 @pytest.mark.machine_precision
-def test_a_users_first_generate_prints_only_the_one_line(tmp_path, monkeypatch, capfd, caplog):
+def test_a_users_first_generate_prints_only_the_one_line(tmp_path, monkeypatch, capfd, caplog, speculating):
     """The first call measures the drafter's fastest form here (a minute on a real model) and finds no mask: neither
     prints anything but the one line about the mask (a log record of ``viasd_hf``: stderr unless logging says else)."""
     monkeypatch.setenv("VIASD_HOME", str(tmp_path))  # nothing measured yet

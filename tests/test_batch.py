@@ -24,8 +24,8 @@ from conftest import (
 )
 from viasd_hf import RoutingMask, ViaSDConfig, ViaSDStats, enable_viasd
 from viasd_hf.control.speculation_switch import SpeculationSwitch
-from viasd_hf.drafters.model import Reader
 from viasd_hf.engine.batch import BatchViaSDStats, ragged_cache
+from viasd_hf.engine.batch.model_drafts import Reader
 from viasd_hf.engine.batch.ragged_cache import RaggedCache
 
 PAD = 0
@@ -51,7 +51,8 @@ def prompts(seed: int, lengths=(11, 6, 9), repeat: bool = False) -> list[torch.T
 
 def slim_config(target, **overrides) -> ViaSDConfig:
     """VIA-SD with its slim tier on every block (it repairs drafts before the full model verifies)."""
-    return ViaSDConfig(**{"routing_mask": RoutingMask.from_model(target, skip=[2]), "adaptive": False} | overrides)
+    return ViaSDConfig.paper(**{"mode": "lossless", "routing_mask": RoutingMask.from_model(target, skip=[2]),
+                                "adaptive": False} | overrides)
 
 
 def batched(target, rows, config, assistant=None, max_new_tokens=24, **kwargs):
@@ -95,12 +96,12 @@ def test_every_row_equals_its_own_greedy_generate_and_the_batched_one(pair, seed
     assert stats.new_tokens == sum(generated) and stats.decode_full_forwards == stats.blocks
 
 
-@pytest.mark.parametrize("config", ["default", "no_slim_tier", "no_fallback"])
-def test_adaptive_configs_are_lossless_too(pair, config):
+@pytest.mark.parametrize("config", ["default", "no_slim_tier"])
+def test_adaptive_configs_are_lossless_too(pair, config, speculating):
     target, assistant = pair
     rows = prompts(7, lengths=(5, 12, 8, 10))
     chosen = {"default": ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2])),
-              "no_slim_tier": ViaSDConfig(use_slim=False), "no_fallback": ViaSDConfig(use_slim=False, plain_fallback=False)}
+              "no_slim_tier": ViaSDConfig(use_slim=False)}
     out = batched(target, rows, chosen[config], assistant, max_new_tokens=20)
     assert_identical_to_generate(target, rows, out, max_new_tokens=20)
 
@@ -131,7 +132,7 @@ def test_a_batch_decoding_plainly_takes_one_full_pass_per_token_as_generate(pair
     assert stats.drafter_forwards == 0 and all(row.full_forwards == 6 for row in stats.rows)
 
 
-def test_the_assistant_runs_long_passes_through_its_reader_and_short_ones_itself(pair, monkeypatch):
+def test_the_assistant_runs_long_passes_through_its_reader_and_short_ones_itself(pair, monkeypatch, speculating):
     """Where the drafting model has a reader (a 4-bit copy's dequantised twin, measured faster from some number of
     tokens a pass), the prompts' read (all rows, one pass) and every pass at least that long go through it, every
     shorter pass through the model; the output is greedy's."""
@@ -146,7 +147,7 @@ def test_the_assistant_runs_long_passes_through_its_reader_and_short_ones_itself
             with_kwargs=True)
     monkeypatch.setattr(generation, "drafting_reader", lambda model: reader if model is assistant else None)
     rows = prompts(5, lengths=(12, 20, 16))
-    out = batched(target, rows, ViaSDConfig(use_slim=False, plain_fallback=False), assistant)
+    out = batched(target, rows, ViaSDConfig(use_slim=False), assistant)
     assert_identical_to_generate(target, rows, out)
     assert passes["reader"][0] == torch.Size([3, 20]), "one read of every prompt, padded to the longest"
     assert all(shape.numel() >= 12 for shape in passes["reader"])
@@ -213,7 +214,7 @@ def test_scores_and_logits_of_each_row_are_generates_step_by_step(pair, mode):
                 if step >= row_new:
                     assert mine[i, PAD] == 0 and bool((mine[i, 1:] == -float("inf")).all()), "padding after the end"
                     continue
-                if mode == "lossless" or stats.rows[i].committed_by["slim"] == 0:  # the full model's own scores
+                if mode == "lossless" or stats.rows[i].slim_committed_tokens == 0:  # the full model's own scores
                     assert int(mine[i].argmax()) == int(out.sequences[i, ids.shape[1] + step]), "they chose it"
                     torch.testing.assert_close(mine[i], generates[i], rtol=1e-4, atol=1e-4)
     assert all(given == tokens and shape == (1, VOCAB) for tokens, given, shape in seen.seen)
@@ -251,7 +252,7 @@ def test_what_only_batching_makes_true(pair):
 
     handle = target.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        out = batched(target, rows, ViaSDConfig(use_slim=False, adaptive=False, draft_confidence_threshold=None),
+        out = batched(target, rows, ViaSDConfig.paper(mode="lossless", use_slim=False, adaptive=False, draft_confidence_threshold=None),
                       assistant, max_new_tokens=30, eos_token_id=int(free[1, 5]))
     finally:
         handle.remove()
@@ -274,11 +275,15 @@ def test_compacting_the_caches_after_every_block_changes_no_token(pair, monkeypa
     assert compactions["target"] >= out.viasd_stats.blocks - 1 and compactions["drafter"] > 0
 
 
-def test_a_single_prompt_decodes_as_before(pair):
+def test_a_single_prompt_is_a_batch_of_one(pair):
     target, assistant = pair
-    out = target.generate(prompts(1)[0][None], assistant_model=assistant, viasd_config=slim_config(target),
+    ids = prompts(1)[0][None]
+    out = target.generate(ids, assistant_model=assistant, viasd_config=slim_config(target),
                           max_new_tokens=12, return_dict_in_generate=True, **GREEDY)
-    assert type(out.viasd_stats) is ViaSDStats
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=12, **GREEDY))
+    stats = out.viasd_stats
+    assert isinstance(stats, ViaSDStats) and stats.batch_size == 1 and len(stats.rows) == 1
+    assert stats.rows[0].new_tokens == stats.new_tokens == 12
 
 
 def test_the_ragged_cache_forgets_compacts_and_selects():
@@ -338,7 +343,7 @@ def test_tiered_rows_commit_on_the_slim_tiers_authority_and_the_full_model_catch
     ``max_slim_backlog`` tokens later, or an escalation)."""
     target, assistant = pair
     rows = prompts(4, lengths=(7, 12, 9))
-    config = ViaSDConfig(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[]), tau_accept=1.0, max_slim_backlog=6,
+    config = ViaSDConfig.paper(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[]), tau_accept=1.0, max_slim_backlog=6,
                          adaptive=False)
     out = batched(target, rows, config, assistant)
     generated = assert_identical_to_generate(target, rows, out)
@@ -355,7 +360,7 @@ def test_tiered_rows_escalating_every_draft_are_lossless(pair):
     """τ_acc = τ_esc = 1: the slim tier escalates every draft, so the full model decides every block."""
     target, assistant = pair
     rows = prompts(6, lengths=(9, 5, 11))
-    config = ViaSDConfig(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[2]), tau_accept=1.0,
+    config = ViaSDConfig.paper(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[2]), tau_accept=1.0,
                          tau_escalate=1.0, adaptive=False)
     out = batched(target, rows, config, assistant)
     generated = assert_identical_to_generate(target, rows, out)
@@ -367,7 +372,7 @@ def test_tiered_rows_escalating_every_draft_are_lossless(pair):
 def test_tiered_sampling_of_a_batch_is_reproducible_and_the_slim_tier_commits(pair):
     target, assistant = pair
     rows = prompts(8, lengths=(7, 10))
-    config = ViaSDConfig(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[2]), adaptive=False,
+    config = ViaSDConfig.paper(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[2]), adaptive=False,
                          self_draft_mask=RoutingMask.from_model(target, skip=[1, 2]))
     runs = []
     for _ in range(2):
@@ -424,7 +429,7 @@ def test_qwen_coder_pair_batched_equals_each_prompt_alone():
     batch = tokenizer(texts, return_tensors="pt", padding=True)
     assert len(set(batch["attention_mask"].sum(-1).tolist())) == len(texts), "the prompts differ in length"
     mask = RoutingMask.from_model(target, skip=[4, 8, 12], drafter_id="qwen2.5-coder-0.5b-instruct")
-    config = ViaSDConfig(routing_mask=mask, adaptive=False)
+    config = ViaSDConfig.paper(mode="lossless", routing_mask=mask, adaptive=False)
     settings = {"max_new_tokens": 8, "do_sample": False, "return_dict_in_generate": True}
     out = target.generate(**batch, assistant_model=drafter, viasd_config=config, **settings)
     stats = out.viasd_stats

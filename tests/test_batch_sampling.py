@@ -29,9 +29,10 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaL
 
 import viasd_hf.engine.batch.drafting as drafting
 from viasd_hf import ViaSDConfig, enable_viasd
-from viasd_hf.drafters import PromptLookupDrafter
-from viasd_hf.engine.batch import BatchedDecoder, RaggedCache, batch_drafter
+from viasd_hf.engine.batch import BatchedDecoder, RaggedCache
+from viasd_hf.engine.batch.lookup import PromptLookupDrafter
 from viasd_hf.engine.sampling import RandomStream
+from viasd_hf.generation import batch_drafter
 from viasd_hf.vocabulary.head import SubsetHead
 
 ROWS = [PROMPT, LOOKUP_PROMPT]  # 5 and 7 tokens: the first row is left-padded; the second's bigram recurs
@@ -96,7 +97,7 @@ def test_batched_lossless_sampling_is_exact_per_row(models, monkeypatch):
         return draft
 
     monkeypatch.setattr(drafting.BatchLookup, "draft", counted)
-    config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
+    config = ViaSDConfig.paper(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
     distances, stats = per_row_tv(models, config, lookup=True)
     assert max(distances) < TV_BOUND, distances
     assert sum(one.slim_forwards for one in stats) > 0, "the slim tier repaired drafts"
@@ -107,7 +108,7 @@ def test_batched_lossless_sampling_is_exact_per_row(models, monkeypatch):
 
 def test_batched_lossless_sampling_drafted_by_the_self_drafter_is_exact_per_row(models):
     """The target routed with the mask drafts on the target's own cache, provisionally, for every row at once."""
-    config = ViaSDConfig(mode="lossless", use_slim=False, adaptive=False)
+    config = ViaSDConfig.paper(mode="lossless", use_slim=False, adaptive=False)
     distances, stats = per_row_tv(models, config, self_drafting=True)
     assert max(distances) < TV_BOUND, distances
     rows = [row for one in stats for row in one.rows]
@@ -121,10 +122,11 @@ def test_batched_lossless_sampling_over_a_draft_vocabulary_is_exact_per_row(mode
     drawn = drafting.drafted_token
     monkeypatch.setattr(drafting, "drafted_token", lambda *args: (
         lambda chosen: proposals.append(chosen) or chosen)(drawn(*args)))
-    config = ViaSDConfig(mode="lossless", use_slim=False, adaptive=False)
+    config = ViaSDConfig.paper(mode="lossless", use_slim=False, adaptive=False)
     distances, stats = per_row_tv(models, config, head=SubsetHead(models[1], vocabulary))
     assert max(distances) < TV_BOUND, distances
-    drafted = [chosen for chosen in proposals if chosen is not None]
+    # the first new token is forced (FORCED, outside the vocabulary) by a processor, whichever tier proposes it
+    drafted = [chosen for chosen in proposals if chosen is not None and chosen[0] != FORCED]
     assert drafted and all(token in vocabulary for token, _ in drafted)
     outside = [token for token in range(models[0].config.vocab_size) if token not in vocabulary]
     assert all(float(probs[outside].sum()) == 0.0 for _, probs in drafted), "no proposal mass outside the vocabulary"
@@ -140,7 +142,7 @@ def test_the_per_row_bound_catches_a_proposal_the_drafter_did_not_draw_from(mode
         return None if chosen is None else (chosen[0], torch.full_like(chosen[1], 1 / chosen[1].numel()))
 
     monkeypatch.setattr(drafting, "drafted_token", uniform)
-    config = ViaSDConfig(mode="lossless", use_slim=False, adaptive=False)
+    config = ViaSDConfig.paper(mode="lossless", use_slim=False, adaptive=False)
     distances, _ = per_row_tv(models, config)
     assert max(distances) > TV_BOUND, distances
 

@@ -36,7 +36,7 @@ SLIDING = {
 }
 CONFIGS = {
     "default": ViaSDConfig(),
-    "always_drafting": ViaSDConfig(adaptive=False, plain_fallback=False, draft_confidence_threshold=None),
+    "always_drafting": ViaSDConfig.paper(mode="lossless", adaptive=False, draft_confidence_threshold=None),
 }
 
 
@@ -112,7 +112,7 @@ def test_every_row_equals_its_own_greedy_generate(pair, drafter, config):
 def test_the_slim_tier_and_the_self_drafter_skip_layers_of_a_sliding_window_batch(kind):
     target = sliding_model(kind)
     enable_viasd(target)
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), adaptive=False,
+    config = ViaSDConfig.paper(mode="lossless", routing_mask=RoutingMask.from_model(target, skip=[2]), adaptive=False,
                          self_draft_mask=RoutingMask.from_model(target, skip=[2, 3, 4]))
     rows = prompts()
     out = decode_batch(target, rows, config)
@@ -164,8 +164,8 @@ def test_full_attention_models_keep_transformers_own_masks():
     """A model without sliding windows is masked by transformers from the 2D mask, as before: no masks of ours."""
     target = sliding_model("mistral", sliding_window=None)
     assert SlidingWindows.of(target.config) is None
-    cache = RaggedCache(target.config, 1, torch.device("cpu"))
-    mask, layout = cache.layout(torch.ones((1, 3), dtype=torch.bool), target)
+    cache = RaggedCache(target.config, 2, torch.device("cpu"))
+    mask, layout = cache.layout(torch.ones((2, 3), dtype=torch.bool), target)
     assert layout["attention_mask"] is mask
 
 

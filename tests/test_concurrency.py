@@ -68,9 +68,9 @@ def jobs(target, assistant):
     """Each kind of call, as a function of the prompt; its result or the exception it raised."""
     slim = RoutingMask.from_model(target, skip=[2])
     heavy = RoutingMask.from_model(target, skip=[1, 2, 3])
-    tiered = ViaSDConfig(routing_mask=slim, mode="tiered", adaptive=False)
-    tiered_self = ViaSDConfig(routing_mask=slim, self_draft_mask=heavy, mode="tiered", adaptive=False)
-    lossless = ViaSDConfig(routing_mask=slim, self_draft_mask=heavy, mode="lossless", adaptive=False)
+    tiered = ViaSDConfig.paper(routing_mask=slim, mode="tiered", adaptive=False)
+    tiered_self = ViaSDConfig.paper(routing_mask=slim, self_draft_mask=heavy, mode="tiered", adaptive=False)
+    lossless = ViaSDConfig.paper(routing_mask=slim, self_draft_mask=heavy, mode="lossless", adaptive=False)
     calls = {
         "viasd tiered, assistant": lambda ids: target.generate(ids, assistant_model=assistant, viasd_config=tiered,
                                                                **GREEDY),
@@ -97,6 +97,7 @@ def jobs(target, assistant):
 
 def assert_pristine(model, probe: torch.Tensor, logits: torch.Tensor) -> None:
     assert all("forward" not in vars(layer) for layer in decoder_layers(model))
+    assert model.config._attn_implementation == "sdpa", "a steered call's attention switched back"
     with torch.no_grad():
         assert torch.equal(model(probe).logits, logits)
 
@@ -204,7 +205,7 @@ def test_an_interrupt_mid_decode_leaves_the_model_pristine(models, where):
     probe = prompt(97)
     with torch.no_grad():
         logits = target(probe).logits
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]),
+    config = ViaSDConfig.paper(routing_mask=RoutingMask.from_model(target, skip=[2]),
                          self_draft_mask=RoutingMask.from_model(target, skip=[1, 2, 3]), mode="tiered", adaptive=False)
     expected = target.generate(prompt(5), viasd_config=config, **GREEDY)
     hooks = interrupt_inside_a_routed_pass(target, on_call=4) if where == "routed pass" else []

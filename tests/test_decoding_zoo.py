@@ -44,11 +44,10 @@ def test_smollm2_lossless_equals_generate(drafter_kind, prompt_index):
     enable_viasd(model)
     ids = chat(tokenizer, FIRST_OF_EACH_MT_BENCH_CATEGORY[prompt_index])
     reference = reference_greedy(model, ids)
-    config = ViaSDConfig(
+    config = ViaSDConfig.paper(
         routing_mask=RoutingMask.from_model(model, skip=[3]),
         self_draft_mask=RoutingMask.from_model(model, skip=[3, 5, 9, 12]),
-        mode="lossless", adaptive=False,
-    )
+        mode="lossless", adaptive=False)
     extra = {"prompt_lookup_num_tokens": 5} if drafter_kind == "prompt_lookup" else {}
     out = model.generate(ids, viasd_config=config, max_new_tokens=MAX_NEW, do_sample=False, return_dict_in_generate=True,
                          **extra)
@@ -72,7 +71,7 @@ def test_qwen_coder_pair_lossless_equals_generate(prompt_index):
     ids = chat(tokenizer, prompts[prompt_index])
     reference = reference_greedy(target, ids)
     mask = RoutingMask.from_model(target, skip=[4, 8, 12], drafter_id="qwen2.5-coder-0.5b-instruct")
-    config = ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False)
+    config = ViaSDConfig.paper(routing_mask=mask, mode="lossless", adaptive=False)
     out = target.generate(ids, assistant_model=drafter, viasd_config=config, max_new_tokens=MAX_NEW, do_sample=False,
                           return_dict_in_generate=True)
     assert_equal_up_to_near_tie(f"qwen-pair/prompt{prompt_index}", out.sequences, reference)
@@ -89,7 +88,7 @@ def test_stop_strings_with_a_real_tokenizer():
     expected = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
     out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, stop_strings=[stop], tokenizer=tokenizer,
                          prompt_lookup_num_tokens=4,
-                         viasd_config=ViaSDConfig(routing_mask=RoutingMask.from_model(model, skip=[3]), mode="lossless",
+                         viasd_config=ViaSDConfig.paper(routing_mask=RoutingMask.from_model(model, skip=[3]), mode="lossless",
                                                   adaptive=False))
     assert torch.equal(out, expected)
     assert tokenizer.decode(out[0, ids.shape[1]:]).endswith(stop)

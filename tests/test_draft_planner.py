@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_causal_lm
-from viasd_hf import RoutingMask
+from viasd_hf import RoutingMask, ViaSDConfig
 from viasd_hf.control.draft_planner import (
     CONFIDENCE_EDGES,
     AcceptanceModel,
@@ -21,7 +21,7 @@ from viasd_hf.engine.accept import Draft
 def drafted(planner: DraftPlanner, confidence: float, limit: int = 50) -> int:
     """How many tokens the planner drafts when every draft comes with ``confidence``."""
     confidences: list[float] = []
-    while len(confidences) < limit and planner.keep_drafting(confidences):
+    while len(confidences) < limit and planner.keep_drafting_rows([confidences], [True]):
         confidences.append(confidence)
     return len(confidences)
 
@@ -35,8 +35,8 @@ def test_a_cheap_drafter_drafts_longer():
 def test_confident_drafts_run_longer_and_an_unsure_one_ends_the_block():
     planner = DraftPlanner(StaticCosts(drafter=0.2), longest=15)
     assert drafted(planner, 0.95) > drafted(planner, 0.6)
-    assert not planner.keep_drafting([0.9, 0.9, 0.1]), "a draft the drafter doubts makes the next one worthless"
-    assert planner.keep_drafting([]), "the first token is always drafted, so calibration keeps learning"
+    assert not planner.keep_drafting_rows([[0.9, 0.9, 0.1]], [True]), "a draft the drafter doubts makes the next one worthless"
+    assert planner.keep_drafting_rows([[]], [True]), "the first token is always drafted, so calibration keeps learning"
 
 
 def test_the_draft_is_capped():
@@ -63,7 +63,6 @@ def test_a_batch_of_like_rows_drafts_as_one_row_and_rows_that_stopped_cut_the_bl
     alone = drafted(planner, 0.95)
     assert drafted_rows(planner, [0.95] * 4, [True] * 4) == alone
     assert drafted_rows(planner, [0.95] * 4, [True, False, False, False]) < alone
-    assert planner.keep_drafting([0.95]) == planner.keep_drafting_rows([[0.95]], [True])
 
 
 def test_an_overconfident_drafter_is_calibrated_down():
@@ -72,7 +71,7 @@ def test_an_overconfident_drafter_is_calibrated_down():
     calibrated = DraftPlanner(StaticCosts(drafter=0.2), longest=15)
     for _ in range(60):
         # judged 3 drafts, kept the first only: position 0 kept, position 1 rejected
-        calibrated.observe(Draft([1, 2, 3], [one_hot_ish(0.95)] * 3), judged=3, kept=1)
+        calibrated.observe(Draft([1, 2, 3], [one_hot_ish(0.95)] * 3).confidences, judged=3, kept=1)
     assert calibrated.acceptance.kept(0.95) < 0.6
     assert drafted(calibrated, 0.95) < drafted(naive, 0.95)
 
@@ -83,9 +82,9 @@ def one_hot_ish(mass: float) -> torch.Tensor:
 
 
 def test_copied_drafts_do_not_calibrate_the_drafter():
-    planner = DraftPlanner(StaticCosts(drafter=0.2), longest=15)
-    planner.observe(Draft([1, 2], [None, None]), judged=2, kept=0)
-    assert not any(mean.weight for mean in planner.acceptance.by_confidence)
+    """The decoder feeds the planner only drafts a model drew: a copied one says nothing of its confidence."""
+    assert not Draft([1, 2], [None, None]).drawn and not Draft([], []).drawn
+    assert Draft([1], [one_hot_ish(0.9)]).drawn
 
 
 def test_drafts_after_the_first_rejection_teach_nothing():
@@ -102,8 +101,8 @@ def test_a_confident_streak_is_not_cut_short_by_positions_seldom_reached():
     confidence, not by the mean at a position seldom reached)."""
     planner = DraftPlanner(StaticCosts(drafter=0.2), longest=32)
     for _ in range(30):
-        planner.observe(Draft([1, 2], [one_hot_ish(0.5)] * 2), judged=2, kept=0)
-        planner.observe(Draft([1], [one_hot_ish(0.9995)]), judged=1, kept=1)
+        planner.observe(Draft([1, 2], [one_hot_ish(0.5)] * 2).confidences, judged=2, kept=0)
+        planner.observe(Draft([1], [one_hot_ish(0.9995)]).confidences, judged=1, kept=1)
     assert drafted(planner, 0.9995) >= 16
     assert drafted(planner, 0.5) == 1
 
@@ -149,7 +148,7 @@ def test_very_confident_drafts_are_priced_apart_from_merely_confident_ones():
 
     def drafted(planner: DraftPlanner) -> int:
         confidences = [0.9995]
-        while planner.keep_drafting(confidences):
+        while planner.keep_drafting_rows([confidences], [True]):
             confidences.append(0.9995)
         return len(confidences)
 
@@ -161,7 +160,7 @@ def planner_weight(planner: DraftPlanner) -> float:
     return sum(mean.weight for mean in planner.acceptance.by_confidence)
 
 
-def test_the_planner_is_remembered_across_calls_where_timings_may_steer_and_nowhere_else():
+def test_the_planner_is_remembered_across_calls_where_timings_may_steer_and_nowhere_else(speculating):
     """As HF keeps its assistant's draft length on the assistant, a lossless greedy call starts from what the
     last call on the model learned; a sampling call, whose draws draft lengths change, starts afresh."""
     from conftest import near_copy
@@ -177,7 +176,7 @@ def test_the_planner_is_remembered_across_calls_where_timings_may_steer_and_nowh
         target.generate(torch.tensor([[3, 17, 5, 9]]), assistant_model=drafter, viasd_config=config,
                         max_new_tokens=16, do_sample=do_sample, pad_token_id=0)
 
-    lossless = ViaSDConfig(mode="lossless", use_slim=False, plain_fallback=False)
+    lossless = ViaSDConfig(mode="lossless", use_slim=False)
     generate(lossless)
     (key, first), = memory.planners.items()
     evidence = planner_weight(first)
@@ -185,7 +184,7 @@ def test_the_planner_is_remembered_across_calls_where_timings_may_steer_and_nowh
     generate(lossless)
     assert memory.planners[key] is not first and planner_weight(memory.planners[key]) > evidence, "built on the last"
     generate(ViaSDConfig(mode="lossless", use_slim=False), do_sample=True)
-    generate(ViaSDConfig(mode="lossless", use_slim=False, tier_switching="fixed"))
+    generate(ViaSDConfig(mode="lossless", use_slim=False, reproducible=True))
     assert list(memory.planners) == [key], "reproducible calls remember nothing"
     memory.reset()
     assert not memory.planners
@@ -206,16 +205,27 @@ def test_each_call_plans_with_its_own_copy_of_the_remembered_planner():
 def test_drafters_that_differ_in_model_vocabulary_or_skipped_layers_are_measured_apart():
     from transformers import LogitsProcessorList
 
-    from viasd_hf.drafters import AssistantDrafter
-    from viasd_hf.engine.loop import drafter_identity
+    from viasd_hf.control.memory import drafter_identity
+    from viasd_hf.engine.batch.drafting import BatchAssistant, BatchSelfDrafter
+    from viasd_hf.engine.batch.ragged_cache import RaggedCache
     from viasd_hf.vocabulary.head import SubsetHead
 
     model, other = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=1)
-    identities = {
-        drafter_identity(AssistantDrafter(model, LogitsProcessorList(), None)),
-        drafter_identity(AssistantDrafter(other, LogitsProcessorList(), None)),
-        drafter_identity(AssistantDrafter(model, LogitsProcessorList(), None, head=SubsetHead(model, range(40)))),
-        drafter_identity(AssistantDrafter(model, LogitsProcessorList(), None, head=SubsetHead(model, range(50)))),
-    }
-    assert len(identities) == 4
-    assert drafter_identity(AssistantDrafter(model, LogitsProcessorList(), None)) in identities
+    config, cpu = ViaSDConfig(), torch.device("cpu")
+
+    def assistant(drafter, head=None):
+        return drafter_identity(BatchAssistant(drafter, LogitsProcessorList(), None, frozenset(), 1, cpu, head=head),
+                                drafter, config)
+
+    def self_drafter(skip):
+        cache = RaggedCache(model.config, 1, cpu)
+        drafting = BatchSelfDrafter(model, RoutingMask.from_model(model, skip=skip), cache, LogitsProcessorList(), None,
+                                    frozenset())
+        return drafter_identity(drafting, None, config)
+
+    identities = {assistant(model), assistant(other), assistant(model, SubsetHead(model, range(40))),
+                  assistant(model, SubsetHead(model, range(50))), self_drafter([1]), self_drafter([1, 2])}
+    assert len(identities) == 6
+    assert assistant(model) in identities
+    assert drafter_identity(BatchAssistant(model, LogitsProcessorList(), None, frozenset(), 1, cpu), model,
+                            ViaSDConfig(drafter_context=256)) not in identities, "reading part of the prompt"

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessorList
 
 from conftest import VOCAB, near_copy, tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, viasd_generate
-from viasd_hf.drafters import ATTENTION_SINK_TOKENS, AssistantDrafter
-from viasd_hf.engine.state import ModelInputs
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -24,57 +21,25 @@ def pair():
     return target, near_copy(target)
 
 
-def test_a_windowed_drafter_drafts_what_a_drafter_shown_only_its_tokens_drafts(pair):
-    _, model = pair
-    ids = prompt(0, 30)
-    windowed = AssistantDrafter(model, LogitsProcessorList(), None, context=10)
-    assert windowed.prefill(ids) == 1
-    seen = torch.cat([ids[:, :ATTENTION_SINK_TOKENS], ids[:, -(10 - ATTENTION_SINK_TOKENS) :]], dim=-1)
-    assert windowed.cache.get_seq_length() == 10, "the sinks and the latest prompt tokens, in one pass"
-    reference = AssistantDrafter(model, LogitsProcessorList(), None)
-    reference.prefill(seen)
-
-    for step in range(3):
-        draft = windowed.draft(ids, 4, None)
-        expected = reference.draft(seen, 4, None)
-        assert draft.tokens == expected.tokens
-        assert all(torch.allclose(p, q) for p, q in zip(draft.probs, expected.probs))
-        committed = torch.tensor([draft.tokens[:step + 1] + [7]])  # some kept, then a correction
-        ids, seen = torch.cat([ids, committed], dim=-1), torch.cat([seen, committed], dim=-1)
-        windowed.commit(ids)
-        reference.commit(seen)
-        assert windowed.processed == reference.processed
-
-
 @pytest.mark.parametrize("context", [1, 5, 12, 40])
 @pytest.mark.parametrize("lookup", [False, True])
-def test_lossless_greedy_with_a_windowed_drafter_equals_generate(pair, context, lookup, monkeypatch):
+def test_lossless_greedy_with_a_windowed_drafter_equals_generate(pair, context, lookup, monkeypatch, speculating):
     target, drafter = pair
     ids = prompt(context, 24) if not lookup else prompt(context, 8).repeat(1, 3)
-    drafters = []  # the assistant drafters the call prefilled
-    prefill = AssistantDrafter.prefill
-    monkeypatch.setattr(AssistantDrafter, "prefill", lambda self, ids: drafters.append(self) or prefill(self, ids))
+    from viasd_hf.engine.batch.drafting import BatchAssistant
+
+    skipped = []  # what the assistant skipped of the prompt when it read it
+    read = BatchAssistant.read
+    monkeypatch.setattr(BatchAssistant, "read", lambda self, rows: (read(self, rows), skipped.extend(self.skipped))[0])
     expected = target.generate(ids, max_new_tokens=24, **GREEDY)
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", drafter_context=context,
-                         plain_fallback=False)  # every block speculates, whatever the timings
+    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", drafter_context=context)
     extra = {"prompt_lookup_num_tokens": 3} if lookup else {}
-    out = target.generate(ids, custom_generate=viasd_generate, viasd_config=config, assistant_model=drafter,
+    out = target.generate(ids, custom_generate=viasd_generate, viasd_config=config, drafter=drafter,
                           max_new_tokens=24, viasd_check_invariants=True, return_dict_in_generate=True, **GREEDY, **extra)
     assert torch.equal(out.sequences, expected)
     assert out.viasd_stats.drafter_forwards and out.viasd_stats.drafted_tokens, "the assistant drafted"
-    unread = {drafter.skipped.stop - drafter.skipped.start for drafter in drafters}
+    unread = {window.stop - window.start for window in skipped}
     assert unread == {max(ids.shape[1] - context, 0)}, "the drafter read only the last drafter_context prompt tokens"
-
-
-def test_a_left_padded_prompt_is_read_whole(pair):
-    _, model = pair
-    ids = prompt(1, 20)
-    padding = torch.ones_like(ids)
-    padding[:, :3] = 0
-    drafter = AssistantDrafter(model, LogitsProcessorList(), None, inputs=ModelInputs(prompt_attention_mask=padding),
-                               context=5)
-    drafter.prefill(ids)
-    assert drafter.skipped == slice(0, 0) and drafter.cache.get_seq_length() == 20
 
 
 def test_the_drafter_context_is_a_validated_config_field_and_a_bench_lever():
@@ -91,17 +56,9 @@ def test_the_drafter_context_is_a_validated_config_field_and_a_bench_lever():
     assert tokens_or_none("none") is None and tokens_or_none("12") == 12
 
 
-def test_a_windowed_drafter_keeps_measurements_of_its_own(pair):
-    from viasd_hf.engine.loop import drafter_identity
-
-    _, model = pair
-    whole, windowed = (AssistantDrafter(model, LogitsProcessorList(), None, context=c) for c in (None, 256))
-    assert drafter_identity(whole) != drafter_identity(windowed)
-
-
 @pytest.mark.parametrize("context", [1, 6, 14])
 @pytest.mark.parametrize("lookup", [False, True])
-def test_a_batch_with_a_windowed_drafter_is_lossless_and_reads_each_row_windowed(pair, context, lookup, monkeypatch):
+def test_a_batch_with_a_windowed_drafter_is_lossless_and_reads_each_row_windowed(pair, context, lookup, monkeypatch, speculating):
     from viasd_hf.engine.batch.drafting import BatchAssistant
 
     target, drafter = pair
@@ -113,10 +70,10 @@ def test_a_batch_with_a_windowed_drafter_is_lossless_and_reads_each_row_windowed
     read = BatchAssistant.read
     monkeypatch.setattr(BatchAssistant, "read", lambda self, rows: (read(self, rows), reads.append((
         [len(row.tokens()) for row in rows.active], list(self.skipped), self.cache.lengths().tolist())))[0])
-    config = ViaSDConfig(mode="lossless", use_slim=False, drafter_context=context, plain_fallback=False)
+    config = ViaSDConfig(mode="lossless", use_slim=False, drafter_context=context)
     extra = {"prompt_lookup_num_tokens": 3} if lookup else {}
     out = target.generate(ids, attention_mask=mask, custom_generate=viasd_generate, viasd_config=config,
-                          assistant_model=drafter, max_new_tokens=16, viasd_check_invariants=True,
+                          drafter=drafter, max_new_tokens=16, viasd_check_invariants=True,
                           return_dict_in_generate=True, **GREEDY, **extra)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=16, **GREEDY)
     assert torch.equal(out.sequences, expected)
@@ -124,4 +81,4 @@ def test_a_batch_with_a_windowed_drafter_is_lossless_and_reads_each_row_windowed
     lengths, skipped, held = reads[0]
     assert [window.stop - window.start for window in skipped] == [max(n - context, 0) for n in lengths], (
         "each row's first read skipped all but its sinks and latest tokens, drafter_context in all")
-    assert held == [min(n, context) - 1 for n in lengths], "the read fed the window but its newest token"
+    assert held == [min(n, context) for n in lengths], "the read fed the window, its newest token included"

@@ -1,5 +1,5 @@
 """``enable_viasd`` is a drop-in: the model's class, saved files, pickling, copies and plain ``generate`` stay as
-they were, and the ``custom_generate=viasd_generate`` path uses the drafter and streamer the user passed."""
+they were, and the ``custom_generate=viasd_generate`` path uses the drafter and streamer it is given."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def prompt(seed: int = 0) -> torch.Tensor:
 
 
 def lossless(model) -> ViaSDConfig:
-    return ViaSDConfig(routing_mask=RoutingMask.from_model(model, skip=[2]),
+    return ViaSDConfig.paper(routing_mask=RoutingMask.from_model(model, skip=[2]),
                        self_draft_mask=RoutingMask.from_model(model, skip=[1, 2, 3]), mode="lossless", adaptive=False)
 
 
@@ -171,31 +171,19 @@ def test_a_pipeline_runs_viasd_unchanged_with_a_default_config():
     assert 0 < slim_calls[0] < full_calls[0]  # layer 2 was skipped in some passes: VIA-SD ran
 
 
-def test_custom_generate_callable_uses_the_assistant_model_passed_to_generate():
-    target, assistant = target_and_assistant()
-    ids = prompt(5)
-    expected = target.generate(ids, max_new_tokens=12, **GREEDY)
-    assistant_calls = forward_counter(assistant)
-    out = target.generate(ids, custom_generate=viasd_generate, assistant_model=assistant, viasd_config=lossless(target),
-                          max_new_tokens=12, return_dict_in_generate=True, **GREEDY)
-    assert torch.equal(out.sequences, expected)
-    assert assistant_calls[0] == out.viasd_stats.drafter_forwards > 1, "its prefill and drafting passes"
-
-
-def test_custom_generate_callable_refuses_two_different_drafters():
-    target, assistant = target_and_assistant()
-    with pytest.raises(ValueError, match="assistant_model.*drafter"):
-        target.generate(prompt(), custom_generate=viasd_generate, assistant_model=assistant,
-                        drafter=copy.deepcopy(assistant), viasd_config=lossless(target), max_new_tokens=4, **GREEDY)
-
-
-def test_custom_generate_callable_streams_to_the_streamer_passed_to_generate():
+def test_custom_generate_callable_drafts_with_the_drafter_and_streams_to_the_streamer_it_is_given():
+    """``generate`` hands a ``custom_generate`` callable neither ``assistant_model`` nor ``streamer``: called directly,
+    ``viasd_generate`` takes them as ``drafter`` and ``viasd_streamer``."""
     target, assistant = target_and_assistant()
     ids, streamer = prompt(6), RecordingStreamer()
-    out = target.generate(ids, custom_generate=viasd_generate, drafter=assistant, streamer=streamer,
-                          viasd_config=lossless(target), max_new_tokens=12, **GREEDY)
+    expected = target.generate(ids, max_new_tokens=12, **GREEDY)
+    assistant_calls = forward_counter(assistant)
+    out = target.generate(ids, custom_generate=viasd_generate, drafter=assistant, viasd_streamer=streamer,
+                          viasd_config=lossless(target), max_new_tokens=12, return_dict_in_generate=True, **GREEDY)
+    assert torch.equal(out.sequences, expected)
+    assert assistant_calls[0] == out.viasd_stats.drafter_forwards > 1, "its reads and drafting passes"
     assert streamer.chunks[0] == ids[0].tolist()
-    assert sum(streamer.chunks[1:], []) == out[0, 10:].tolist()
+    assert sum(streamer.chunks[1:], []) == out.sequences[0, 10:].tolist()
     assert streamer.ended
 
 

@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 
 from conftest import assert_stats_consistent, tiny_causal_lm
 from viasd_hf import ViaSDConfig, viasd_generate
-from viasd_hf.drafters import PromptLookupDrafter
+from viasd_hf.engine.batch.lookup import PromptLookupDrafter
 from viasd_hf.generation import end_tokens
 
 
@@ -29,23 +29,23 @@ def test_a_model_drafter_stops_drafting_at_an_end_token(pair, drafter_is_target)
     eos = free[6]
     ends_at = free.index(eos)
     expected = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    config = ViaSDConfig(mode="tiered", use_slim=False, num_draft_tokens=12, draft_confidence_threshold=None, adaptive=False)
-    out = target.generate(ids, custom_generate=viasd_generate, assistant_model=drafter, viasd_config=config,
+    config = ViaSDConfig.paper(mode="tiered", use_slim=False, num_draft_tokens=12, draft_confidence_threshold=None, adaptive=False)
+    out = target.generate(ids, custom_generate=viasd_generate, drafter=drafter, viasd_config=config,
                           max_new_tokens=24, do_sample=False, eos_token_id=[eos, 1], pad_token_id=0,
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
     stats = out.viasd_stats
     assert_stats_consistent(stats, ends_at + 1, "lossless", stopped_inside_block=True)
     if drafter_is_target:  # every draft is the target's own token: one block, drafted up to the EOS and no further
-        assert ends_at + 1 < config.num_draft_tokens
+        assert ends_at + 1 < config.knobs.num_draft_tokens
         assert stats.blocks == 1 and stats.drafted_tokens == ends_at + 1 == stats.drafter_forwards
 
 
 def test_prompt_lookup_copies_through_the_first_end_token():
     lookup = PromptLookupDrafter(8, end_tokens=frozenset({9}))
     ids = torch.tensor([[4, 5, 6, 9, 7, 8, 4, 5]])
-    assert lookup.draft(ids, 8, None).tokens == [6, 9]
-    assert PromptLookupDrafter(8).draft(ids, 8, None).tokens == [6, 9, 7, 8, 4, 5]
+    assert lookup.draft(ids, 8).tokens == [6, 9]
+    assert PromptLookupDrafter(8).draft(ids, 8).tokens == [6, 9, 7, 8, 4, 5]
 
 
 @pytest.mark.parametrize(("eos", "expected"), [(None, set()), (3, {3}), ([3, 7], {3, 7}), (torch.tensor([2]), {2})])

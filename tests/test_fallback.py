@@ -8,7 +8,6 @@ how busy it is.
 from __future__ import annotations
 
 import re
-import warnings
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.draft_planner import MeasuredCosts, StaticCosts
 from viasd_hf.control.faded import FadedMean
 from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
+from viasd_hf.models.machine import emulated_bf16
 
 
 def run(switch: SpeculationSwitch, blocks: int, speculative_rate: float, plain_rate: float) -> list[bool]:
@@ -141,20 +141,20 @@ def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than
     assert not switch.reading_pays(0.0, 1000)
 
 
-@pytest.mark.parametrize("rows, first_call, unread, left", [(3, 24, 180, 21), (1, 80, 59, 8)])
+@pytest.mark.parametrize("rows, first_call, unread, left", [(3, 24, 180, 24), (1, 80, 60, 8)])
 def test_a_call_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not_pay(clock, rows, first_call,
                                                                                      unread, left):
     """A call whose drafter must read long prompts at great cost, once the switch speculates: with few tokens left the
     read cannot be earned back, so the call decodes plainly without it (the drafter runs no pass) and says why; with
-    many tokens left the same read pays and the call speculates. Output is greedy's either way. A batch prices the read
-    against its own prefill; a single sequence's drafter reads before the target's first pass, so against earlier
-    calls' prefills (its first call begins plainly and a probe reads)."""
+    many tokens left the same read pays and the call speculates. Output is greedy's either way. Whether to read is
+    asked before the target's first pass (which could carry the first draft), so the read is priced against earlier
+    calls' prefills (the first call begins plainly and a probe reads)."""
     target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)  # every draft is accepted
     enable_viasd(target)
     clock.charge(target, 0.01)  # a pass of the target costs what drafting ten tokens does: speculation pays
     clock.charge(drafter, lambda tokens: 0.3 if tokens > 48 else 0.001)  # reading a 60-token prompt: 30 target passes
     ids = torch.randint(2, 96, (rows, 60), generator=torch.Generator().manual_seed(0))
-    config = ViaSDConfig(use_slim=False, drafter_precision="as_loaded")
+    config = ViaSDConfig(use_slim=False)
 
     def call(max_new_tokens):
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, viasd_config=config,
@@ -211,14 +211,14 @@ def test_a_batchs_end_is_priced_per_row_so_rows_that_stopped_cost_nothing():
     nothing, though it commits half a full block's tokens; one at half that pace loses half its time."""
     from types import SimpleNamespace
 
-    from viasd_hf.engine.batch.loop import BatchedDecoder
+    from viasd_hf.engine.batch.learning import Learners
 
     def end_of_call(seconds, tokens):
         switch = SpeculationSwitch(speculating=True)
         switch.speculative.add(40.0, 1.0)  # the full batch committed 40 tokens/s: 10 a row
-        call = SimpleNamespace(switch=switch, batch_size=4, rows=["row", "row"], tail=[0.0, 0.0])
-        BatchedDecoder.add_to_tail(call, seconds, tokens)
-        BatchedDecoder.observe_tail(call)
+        call = SimpleNamespace(switch=switch, batch_size=4, tail=[0.0, 0.0])
+        Learners.add_to_tail(call, seconds, tokens, rows=2)
+        Learners.observe_tail(call)
         return switch.tail_cost()
 
     assert end_of_call(0.5, 10) == pytest.approx(0.0), "two rows, 10 tokens/s each: the full batch's pace per row"
@@ -280,12 +280,11 @@ def pair():
     return target, drafter
 
 
-def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_output(pair, prompt_ids, clock):
+def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_output(pair, prompt_ids, clock, caplog):
     target, drafter = pair
     clock.charge(target, 0.005).charge(drafter, 0.05)
     expected = target.generate(prompt_ids, max_new_tokens=60, do_sample=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level("WARNING", logger="viasd_hf"):
         out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=ViaSDConfig(mode="lossless", use_slim=False),
                               max_new_tokens=60, do_sample=False, return_dict_in_generate=True)  # fmt: skip
     stats = out.viasd_stats
@@ -293,7 +292,7 @@ def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_out
     assert stats.plain_blocks > stats.blocks / 2
     assert not stats.speculation_switches, "decoding began plainly and a probe of speculation kept it there"
     assert stats.drafter_forwards > 0 and stats.speculation_verdict.startswith("plain decoding")
-    assert any("speculation does not pay" in str(warning.message) for warning in caught)
+    assert any("speculation does not pay" in message for message in caplog.messages)
     assert_stats_consistent(stats, 60, "lossless")
 
 
@@ -318,18 +317,17 @@ def test_the_verify_cost_fit_learns_from_plain_blocks_too(pair, prompt_ids, cloc
 
 
 def test_a_probe_of_plain_decoding_while_speculation_pays_gives_no_fallback_advice(pair, prompt_ids, clock,
-                                                                                   monkeypatch):
+                                                                                   monkeypatch, caplog):
     target, drafter = pair
     clock.charge(target, 0.01).charge(drafter, 0.001)  # a plain token costs a pass; so does a block of accepted drafts
     monkeypatch.setattr(SpeculationSwitch, "_blocks_to_earn_back", lambda self: 0)  # probes as often as scheduled
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level("WARNING", logger="viasd_hf"):
         out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=ViaSDConfig(mode="lossless", use_slim=False),
                               max_new_tokens=300, do_sample=False, return_dict_in_generate=True)  # fmt: skip
     stats = out.viasd_stats
     assert stats.plain_blocks > 2, "after the first two plain blocks, plain decoding was probed while speculating"
     assert stats.speculation_verdict.startswith("speculating")
-    assert not any("speculation does not pay" in str(warning.message) for warning in caught)
+    assert not any("speculation does not pay" in message for message in caplog.messages)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -348,7 +346,7 @@ def test_only_the_blocks_the_length_limit_cut_short_are_kept_from_the_switch(pai
     monkeypatch.setattr(SpeculationSwitch, "observe", spy)
     monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: True)
     ids = prompt_ids.repeat(rows, 1)
-    config = ViaSDConfig(mode="lossless", use_slim=False, num_draft_tokens=4, adaptive=True)
+    config = ViaSDConfig.paper(mode="lossless", use_slim=False, num_draft_tokens=4, adaptive=True)
     out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, viasd_config=config,
                           max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
     assert torch.equal(out.sequences, target.generate(ids, attention_mask=torch.ones_like(ids), viasd_config=None,
@@ -359,10 +357,10 @@ def test_only_the_blocks_the_length_limit_cut_short_are_kept_from_the_switch(pai
 
 
 def test_a_reproducible_call_never_falls_back(pair, prompt_ids, clock):
-    """Where timings may not steer a call (``tier_switching="fixed"``), every block drafts, however slow the drafter."""
+    """Where timings may not steer a call (``reproducible=True``), every block drafts, however slow the drafter."""
     target, drafter = pair
     clock.charge(target, 0.001).charge(drafter, 0.01)
-    config = ViaSDConfig(mode="lossless", use_slim=False, tier_switching="fixed")
+    config = ViaSDConfig(mode="lossless", use_slim=False, reproducible=True)
     out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=20, do_sample=False,
                           return_dict_in_generate=True)  # fmt: skip
     assert out.viasd_stats.plain_blocks == 0 and out.viasd_stats.speculation_verdict is None
@@ -382,29 +380,18 @@ def test_the_switch_is_remembered_so_the_next_call_starts_plain(pair, prompt_ids
 
 def test_the_advice_names_emulated_bf16_only_for_a_bf16_model():
     model = tiny_causal_lm("llama", seed=0)
-    assert "float32" not in fallback_advice(model, 4.6)
-    assert "4.6x a one-token pass" in fallback_advice(model, 4.6)
+    assert "float32" not in fallback_advice(4.6, emulated_bf16(model))
+    assert "4.6x a one-token pass" in fallback_advice(4.6, emulated_bf16(model))
 
 
 def test_the_advice_says_what_to_do_where_bf16_is_emulated(monkeypatch):
     model = tiny_causal_lm("llama", seed=0, dtype=torch.bfloat16)
     monkeypatch.setattr("viasd_hf.models.machine.native_bf16", lambda: False)
     for ratio in (4.6, None):
-        advice = fallback_advice(model, ratio)
+        advice = fallback_advice(ratio, emulated_bf16(model))
         assert "a float32 target verifies several tokens" in advice and "viasd profile" in advice
-    cheap_verify = fallback_advice(model, 1.1)  # verifying costs little: the drafter, not bf16, is the trouble
+    cheap_verify = fallback_advice(1.1, emulated_bf16(model))  # verifying costs little: the drafter, not bf16, is the trouble
     assert "emulated" not in cheap_verify and "1.1x a one-token pass" in cheap_verify and "drafter" in cheap_verify
-
-
-def test_plain_fallback_off_speculates_on_every_block(pair, prompt_ids, clock):
-    target, drafter = pair
-    clock.charge(target, 0.001).charge(drafter, 0.01)
-    config = ViaSDConfig(mode="lossless", use_slim=False, plain_fallback=False)
-    out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=config, max_new_tokens=20, do_sample=False,
-                          return_dict_in_generate=True)  # fmt: skip
-    assert out.viasd_stats.plain_blocks == 0 and out.viasd_stats.drafted_tokens > 0
-    with pytest.raises(TypeError, match="plain_fallback must be True or False"):
-        ViaSDConfig(plain_fallback=1)
 
 
 def test_the_demo_says_why_where_viasd_decoded_mostly_plainly(monkeypatch):

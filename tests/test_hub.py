@@ -286,7 +286,7 @@ def test_a_viasd_config_round_trips_through_the_hub(fake_hub, llama, monkeypatch
     loaded = ViaSDConfig.from_pretrained("viasd-test/config", endpoint=fake_hub.url)
     assert loaded == config and isinstance(loaded.routing_mask, RoutingMask)
 
-    tiered = ViaSDConfig(mode="tiered", tau_accept=0.9, routing_mask="viasd-test/some-mask")
+    tiered = ViaSDConfig.paper(mode="tiered", tau_accept=0.9, routing_mask="viasd-test/some-mask")
     tiered.push_to_hub("viasd-test/config", subfolder="tiered", endpoint=fake_hub.url, revision="dev")
     assert ViaSDConfig.from_pretrained("viasd-test/config", subfolder="tiered", revision="dev", endpoint=fake_hub.url) == tiered
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -305,7 +305,7 @@ def test_a_missing_or_invalid_viasd_config_is_named(fake_hub, tmp_path):
     with pytest.raises(ValueError, match=r"unknown ViaSDConfig fields \['speed'\]"):
         ViaSDConfig.from_pretrained(tmp_path)
     config = ViaSDConfig(mode="tiered")
-    config.tau_escalate = 0.9  # now above tau_accept: refused before anything is uploaded
+    config.knobs.tau_escalate = 0.9  # now above tau_accept: refused before anything is uploaded
     pushes = len(fake_hub.requests)
     with pytest.raises(ValueError, match="tau_accept"):
         config.push_to_hub("viasd-test/other", endpoint=fake_hub.url)
@@ -322,7 +322,7 @@ def test_generate_looks_the_default_mask_up_once(fake_hub, monkeypatch):
     monkeypatch.setenv(mask_repo.MASKS_REPO_ENV, REPO)
     use_as_default_endpoint(monkeypatch, fake_hub.url)  # generate uses the default endpoint
     ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
-    config = ViaSDConfig(mode="tiered", tau_accept=0.0, tau_escalate=0.0, adaptive=False)
+    config = ViaSDConfig.paper(mode="tiered", tau_accept=0.0, tau_escalate=0.0, adaptive=False)
 
     def generate():
         return model.generate(ids, custom_generate=viasd_generate, viasd_config=config, prompt_lookup_num_tokens=2,
@@ -521,7 +521,7 @@ def test_push_to_an_unreachable_hub_is_one_line(tmp_path, llama, monkeypatch):
     assert len(err.splitlines()) == 1
 
 
-def test_a_model_without_a_name_is_not_looked_up_on_the_hub(fake_hub, monkeypatch):
+def test_a_model_without_a_name_is_not_looked_up_on_the_hub(fake_hub, monkeypatch, speculating):
     """A model built from a config has no name: its pair's mask cannot be looked up (a clear error, the Hub
     not asked), and the default ``vocabulary="auto"`` decodes over the whole vocabulary instead of failing."""
     use_as_default_endpoint(monkeypatch, fake_hub.url)
@@ -530,7 +530,7 @@ def test_a_model_without_a_name_is_not_looked_up_on_the_hub(fake_hub, monkeypatc
     with pytest.raises(RoutingMaskError, match="has no name"):
         resolve_mask(None, model, "self")
     ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
-    config = ViaSDConfig(routing_mask=llama_mask(model), plain_fallback=False)
+    config = ViaSDConfig(routing_mask=llama_mask(model))
     out = model.generate(ids, custom_generate=viasd_generate, viasd_config=config, prompt_lookup_num_tokens=2,
                          max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     assert out.viasd_stats.drafted_tokens > 0

@@ -9,7 +9,7 @@ import time
 import pytest
 from torch import nn
 
-from viasd_hf.models.per_model_cache import PerModelCache
+from viasd_hf.masks.per_model_cache import PerModelCache
 
 
 def test_a_value_and_a_miss_are_looked_up_once_per_model_and_key():

@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from viasd_hf.hub import files as hub_files
 from viasd_hf.models import zoo
 from viasd_hf.models.loading import load_pretrained
 from viasd_hf.models.zoo import ZooChecksumError, ZooFetchError, ZooModel, resolve_zoo_model
@@ -182,9 +183,9 @@ def test_builtin_entries_are_well_formed() -> None:
 
 def test_viasd_home_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("VIASD_HOME", str(tmp_path))
-    assert zoo.viasd_home() == tmp_path
+    assert hub_files.viasd_home() == tmp_path
     monkeypatch.delenv("VIASD_HOME")
-    assert zoo.viasd_home() == Path.home() / ".cache" / "viasd_hf"
+    assert hub_files.viasd_home() == Path.home() / ".cache" / "viasd_hf"
 
 
 def test_zoo_model_is_built_once_then_reused(fake_zoo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

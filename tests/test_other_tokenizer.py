@@ -88,7 +88,7 @@ def configs(model) -> dict[str, ViaSDConfig]:
     """The slim tier on every block and drafts of γ tokens (a random drafter is never confident enough to draft
     more than one), or the cost model's choices."""
     mask = RoutingMask.from_model(model, skip=[2])
-    return {"slim": ViaSDConfig(routing_mask=mask, adaptive=False, draft_confidence_threshold=None),
+    return {"slim": ViaSDConfig.paper(mode="lossless", routing_mask=mask, adaptive=False, draft_confidence_threshold=None),
             "adaptive": ViaSDConfig(use_slim=False)}
 
 
@@ -172,7 +172,7 @@ def test_the_drafter_reads_a_row_once_then_what_it_committed_since(target, twin)
     finally:
         hook.remove()
     assert widths[0] == ids.shape[1], "one pass reads the prompts and the first tokens, but each row's newest"
-    assert max(widths[1:]) <= ViaSDConfig().num_draft_tokens + 1
+    assert max(widths[1:]) <= ViaSDConfig().knobs.num_draft_tokens + 1
 
 
 def test_a_drafter_of_another_vocabulary_without_tokenizers_is_refused_with_the_fix(target, stranger):

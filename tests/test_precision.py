@@ -37,6 +37,8 @@ from viasd_hf.models.quantization.reader import fewest_tokens_for_twin
 
 quantization_measure = importlib.import_module("viasd_hf.models.quantization.measure")  # the package's `measure` is a function
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+# every block speculates, whatever this machine's timings: the drafting form is what these tests look at
+pytestmark = pytest.mark.usefixtures("speculating")
 
 
 @pytest.fixture
@@ -202,13 +204,13 @@ def test_load_pretrained_dtype_auto_loads_the_measured_form(home, tmp_path, monk
 def drafting_models(monkeypatch) -> list:
     """The assistant model each VIA-SD call drafts with."""
     seen = []
-    build = generation.build_drafter
+    build = generation.batch_drafter
 
-    def spy(model, config, generation_config, logits_processor, assistant_model, *args, **kwargs):
+    def spy(assistant_model, *args, **kwargs):
         seen.append(assistant_model)
-        return build(model, config, generation_config, logits_processor, assistant_model, *args, **kwargs)
+        return build(assistant_model, *args, **kwargs)
 
-    monkeypatch.setattr(generation, "build_drafter", spy)
+    monkeypatch.setattr(generation, "batch_drafter", spy)
     return seen
 
 
@@ -218,7 +220,7 @@ def pair():
 
 
 def lossless(target, **settings) -> ViaSDConfig:
-    return ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", plain_fallback=False,
+    return ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless",
                        **settings)
 
 
@@ -227,7 +229,7 @@ def prompt() -> torch.Tensor:
 
 
 @pytest.mark.machine_precision
-def test_lossless_greedy_drafts_with_one_converted_copy_and_equals_generate(measured, monkeypatch):
+def test_lossless_greedy_drafts_with_one_converted_copy_and_equals_generate(measured, monkeypatch, speculating):
     calls, _ = measured
     target, drafter = pair()
     seen = drafting_models(monkeypatch)
@@ -246,7 +248,7 @@ def test_opting_out_or_tiered_or_sampling_drafts_with_the_users_model(measured, 
     calls, _ = measured
     target, drafter = pair()
     seen = drafting_models(monkeypatch)
-    for config, sample in ((lossless(target, drafter_precision="as_loaded"), False), (lossless(target), True),
+    for config, sample in ((lossless(target, reproducible=True), False), (lossless(target), True),
                            (ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="tiered"), False)):  # fmt: skip
         target.generate(prompt(), assistant_model=drafter, viasd_config=config, max_new_tokens=4,
                         do_sample=sample, eos_token_id=None, pad_token_id=0)  # fmt: skip
@@ -335,14 +337,14 @@ def test_a_quantised_drafting_copy_reads_long_prompts_through_its_dequantised_tw
     out = target.generate(long_prompt, assistant_model=drafter, viasd_config=lossless(target), max_new_tokens=12,
                           return_dict_in_generate=True, **GREEDY)  # fmt: skip
     assert torch.equal(out.sequences, expected) and out.viasd_stats.drafter_forwards > 1
-    assert long_passes == [40], "the twin read the prompt, once; the copy drafted"
+    assert len(long_passes) == 1 and long_passes[0] >= 40, "the twin read the prompt, once; the copy drafted"
 
 
 @pytest.mark.machine_precision
-@pytest.mark.parametrize("precision", ["auto", "as_loaded"])
-def test_a_drafter_its_user_quantised_drafts_as_it_is_and_reads_through_its_twin(precision, home, monkeypatch):
-    """A drafter handed over in a 4-bit form is not converted; with ``"auto"`` a dequantised twin of it, made on its
-    first call, reads the prompt (a 4-bit kernel reads long prompts slowly), and ``"as_loaded"`` keeps it alone."""
+@pytest.mark.parametrize("reproducible", [None, True])
+def test_a_drafter_its_user_quantised_drafts_as_it_is_and_reads_through_its_twin(reproducible, home, monkeypatch):
+    """A drafter handed over in a 4-bit form is not converted; by default a dequantised twin of it, made on its first
+    call, reads the prompt (a 4-bit kernel reads long prompts slowly), and ``reproducible=True`` keeps it alone."""
     scheme = SCHEMES["torchao-int4-weight-only"]
     if not scheme.available:
         pytest.skip(f"{scheme.requirement} is not installed")
@@ -357,12 +359,12 @@ def test_a_drafter_its_user_quantised_drafts_as_it_is_and_reads_through_its_twin
     long_prompt = torch.randint(2, VOCAB, (1, 40), generator=torch.Generator().manual_seed(6))
     expected = target.generate(long_prompt, max_new_tokens=12, **GREEDY)
     out = target.generate(long_prompt, assistant_model=drafter, max_new_tokens=12, return_dict_in_generate=True,
-                          viasd_config=lossless(target, drafter_precision=precision), **GREEDY)
+                          viasd_config=lossless(target, reproducible=reproducible), **GREEDY)
     assert torch.equal(out.sequences, expected) and seen == [drafter], "it drafted as it is"
-    if precision == "as_loaded":
+    if reproducible:
         assert passes["twin"] == [] and passes["drafter"][0] == 40 and drafter_precision.drafting_reader(drafter) is None
     else:
-        assert passes["twin"] == [40], "its twin read the prompt, once"
+        assert len(passes["twin"]) == 1 and passes["twin"][0] >= 40, "its twin read the prompt, once"
         assert drafter_precision.drafting_reader(drafter).from_tokens == 32
         assert passes["drafter"] and max(passes["drafter"]) < 32, "the drafter drafted"
 
@@ -404,12 +406,6 @@ def test_a_tiny_model_in_memory_is_measured_in_a_quantised_form_from_one_saved_c
     assert quantised.decode_ms > 0 and quantised.verify_ms > 0
     assert quantised.top1 > 0.5, "the copy loaded from the saved model computes the same model"
     assert model.dtype == torch.float32 and getattr(model, "hf_quantizer", None) is None, "the model is left as it was"
-
-
-def test_drafter_precision_is_validated_and_saved():
-    assert ViaSDConfig.from_dict(ViaSDConfig(drafter_precision="as_loaded").to_dict()).drafter_precision == "as_loaded"
-    with pytest.raises(ValueError, match="drafter_precision must be one of"):
-        ViaSDConfig(drafter_precision="fp8")
 
 
 # --------------------------------------------------------------------------- the table

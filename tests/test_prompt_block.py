@@ -1,5 +1,5 @@
-"""The prompt costs each model one pass: the drafter's prefill gives its first draft token, and where the first
-block is plain two-tier its full pass processes the prompt too (``ViaSDDecoder.open``), as HF assisted
+"""The prompt costs each model one pass: the drafter's read gives its first draft token, and where the first
+block is plain two-tier its full pass processes the prompt too (``BatchedDecoder.open``), as HF assisted
 generation's first call does. Tiny random models, float64: exact."""
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ def fresh_pair(kind: str = "llama"):
 
 
 CARRYING = {
-    "lossless": dict(mode="lossless", plain_fallback=False),  # the controller starts with the slim tier off in lossless mode
-    "two-tier": dict(mode="lossless", use_slim=False, plain_fallback=False),
+    "lossless": dict(mode="lossless"),  # the controller starts with the slim tier off in lossless mode
+    "two-tier": dict(mode="lossless", use_slim=False),
     "tiered, slim tier off": dict(mode="tiered", use_slim=False),
 }
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text"])  # gemma3: sliding layers shorter than the prompt
 @pytest.mark.parametrize("setting", sorted(CARRYING))
-def test_the_first_block_carries_the_prompt_and_decodes_as_generate(kind, setting):
+def test_the_first_block_carries_the_prompt_and_decodes_as_generate(kind, setting, speculating):
     target, assistant = fresh_pair(kind)
     ids = prompt(3, length=16)
     expected = target.generate(ids, max_new_tokens=24, **GREEDY)
@@ -56,14 +56,14 @@ def test_a_left_padded_prompt_is_carried_with_its_positions():
     assert out.viasd_stats.prefill_forwards == 0
 
 
-def test_the_full_model_prefills_where_the_slim_tier_or_a_self_drafter_reads_its_cache():
+def test_the_full_model_prefills_where_the_slim_tier_or_a_self_drafter_reads_its_cache(speculating):
     """Tiered with the slim tier on decides the first block on the slim tier's authority (as the paper has it),
     and a self-drafter drafts on the full model's cache: both need the prompt in it before the first block."""
     target, assistant = fresh_pair()
     ids = prompt(5, length=16)
     mask = RoutingMask.from_model(target, skip=[2])
     for config, extra in (
-        (ViaSDConfig(mode="tiered", routing_mask=mask, adaptive=False), {"drafter": assistant}),
+        (ViaSDConfig.paper(mode="tiered", routing_mask=mask, adaptive=False), {"drafter": assistant}),
         (ViaSDConfig(routing_mask=mask, self_draft_mask=RoutingMask.from_model(target, skip=[1, 2, 3]),
                      mode="lossless", use_slim=False), {}),
     ):
@@ -72,7 +72,7 @@ def test_the_full_model_prefills_where_the_slim_tier_or_a_self_drafter_reads_its
         assert calls.calls[0] == ids.shape[1] - 1 and out.viasd_stats.prefill_forwards == 1
 
 
-def test_the_carried_block_teaches_the_cost_model_acceptance_but_not_pass_costs(monkeypatch):
+def test_the_carried_block_teaches_the_cost_model_acceptance_but_not_pass_costs(monkeypatch, speculating):
     """Its full pass is mostly the prompt: priced as a verifying pass it would make verification look dear."""
     verified_tokens: list[int] = []
     controller_blocks: list[int] = []
@@ -82,7 +82,7 @@ def test_the_carried_block_teaches_the_cost_model_acceptance_but_not_pass_costs(
     monkeypatch.setattr(TierController, "observe", lambda self, block: controller_blocks.append(1) or observe(self, block))
     target, assistant = fresh_pair()
     ids = prompt(6, length=40)
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", plain_fallback=False)
+    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless")
     stats = viasd(target, ids, config, drafter=assistant).viasd_stats
     assert stats.prefill_forwards == 0
     assert len(verified_tokens) == len(controller_blocks) == stats.blocks - 1 - stats.plain_blocks

@@ -202,7 +202,7 @@ def test_lossless_viasd_on_a_quantised_target_keeps_one_cache_and_equals_generat
     drafter = near_copy(AutoModelForCausalLM.from_pretrained(tiny_folder).eval(), scale=0.01)
     ids = windows()[1][:, :10]
     expected = target.generate(ids, max_new_tokens=16, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", adaptive=False)
+    config = ViaSDConfig.paper(routing_mask=RoutingMask.from_model(target, skip=[2]), mode="lossless", adaptive=False)
     out = target.generate(ids, assistant_model=drafter, viasd_config=config, viasd_check_invariants=True,
                           max_new_tokens=16, return_dict_in_generate=True, **GREEDY)  # fmt: skip
     assert_stats_consistent(out.viasd_stats, 16, "lossless")
@@ -270,7 +270,7 @@ def test_lossless_viasd_on_a_4bit_checkpoint_equals_generate():
                                         return_dict=True)["input_ids"]  # fmt: skip
     reference = target.generate(ids, max_new_tokens=16, do_sample=False, output_logits=True,
                                 return_dict_in_generate=True)  # fmt: skip
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[3]), mode="lossless", adaptive=False,
+    config = ViaSDConfig.paper(routing_mask=RoutingMask.from_model(target, skip=[3]), mode="lossless", adaptive=False,
                          self_draft_mask=RoutingMask.from_model(target, skip=[3, 5, 9, 12]))  # fmt: skip
     out = target.generate(ids, viasd_config=config, viasd_check_invariants=True, max_new_tokens=16, do_sample=False,
                           return_dict_in_generate=True)  # fmt: skip

@@ -56,7 +56,7 @@ def generate(models, seed: int, drafting: str, config: dict, stats: list | None 
     else:
         config = config | {"self_draft_mask": RoutingMask.from_model(target, skip=[1, 2, 3, 4])}
     torch.manual_seed(seed)
-    out = target.generate(PROMPT, viasd_config=ViaSDConfig(routing_mask=mask, **config), max_new_tokens=24,
+    out = target.generate(PROMPT, viasd_config=ViaSDConfig.paper(routing_mask=mask, **config), max_new_tokens=24,
                           pad_token_id=0, return_dict_in_generate=True, **kwargs)
     if stats is not None:
         stats.append(out.viasd_stats)
@@ -69,8 +69,8 @@ CASES = {
     "lossless-sampling": ({"mode": "lossless"}, SAMPLING),
     "tiered-sampling": ({"mode": "tiered"}, SAMPLING),
     "tiered-greedy": ({"mode": "tiered"}, GREEDY),
-    "tiered-greedy-fixed": ({"mode": "tiered", "tier_switching": "fixed"}, GREEDY),
-    "lossless-sampling-fixed": ({"mode": "lossless", "tier_switching": "fixed"}, SAMPLING),
+    "tiered-greedy-fixed": ({"mode": "tiered", "reproducible": True}, GREEDY),
+    "lossless-sampling-fixed": ({"mode": "lossless", "reproducible": True}, SAMPLING),
     "lossless-sampling-slim-always-on": ({"mode": "lossless", "adaptive": False}, SAMPLING),
     "cascade-sampling": ({"mode": "tiered", "cascade_lenience": 0.3}, SAMPLING),
 }

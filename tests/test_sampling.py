@@ -22,16 +22,16 @@ from transformers import (
 )
 
 import viasd_hf.engine.accept as accept
-import viasd_hf.engine.loop as decoding
 import viasd_hf.engine.policies as policies
 import viasd_hf.engine.sampling as sampling
 from conftest import assert_stats_consistent, tiny_causal_lm, work_done
 from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
-from viasd_hf.drafters import AssistantDrafter, HybridDrafter, PromptLookupDrafter
 from viasd_hf.engine.accept import Draft
-from viasd_hf.engine.loop import ViaSDDecoder
+from viasd_hf.engine.batch.drafting import BatchAssistant, BatchHybrid, BatchLookup
+from viasd_hf.engine.batch.lookup import PromptLookupDrafter
+from viasd_hf.engine.batch.loop import BatchedDecoder
+from viasd_hf.engine.batch.ragged_cache import RaggedCache
 from viasd_hf.engine.sampling import RandomStream, cascade_target, rejection_step
-from viasd_hf.generation import initial_state
 
 VOCAB = 8
 PROMPT = torch.tensor([[1, 5, 2, 7, 3]])
@@ -103,15 +103,15 @@ def run(target, drafter, config, max_new_tokens, seed, prompt_lookup=False, prom
         hybrid=False) -> list[int]:
     """Sample ``max_new_tokens`` after ``prompt``; the call's ``ViaSDStats`` are appended to ``stats``."""
     torch.manual_seed(seed)
-    assistant = AssistantDrafter(drafter, processors(), None, do_sample=True)
-    chosen = PromptLookupDrafter(3) if prompt_lookup else assistant
+    assistant = BatchAssistant(drafter, processors(), None, frozenset(), 1, prompt.device)
+    chosen = BatchLookup(PromptLookupDrafter(3)) if prompt_lookup else assistant
     if hybrid:
-        chosen = HybridDrafter(PromptLookupDrafter(3), assistant)
-    decoder = ViaSDDecoder(target, chosen, config, config.routing_mask if config.use_slim else None, processors(),
-                           StoppingCriteriaList(), max_length=prompt.shape[1] + max_new_tokens, do_sample=True,
-                           check_invariants=True)
-    state = initial_state(target, prompt.clone(), {})
-    tokens = decoder.run(state).ids[0, prompt.shape[1]:].tolist()
+        chosen = BatchHybrid(BatchLookup(PromptLookupDrafter(3)), assistant)
+    decoder = BatchedDecoder(target, chosen, drafter, config, config.routing_mask if config.use_slim else None,
+                             processors(), StoppingCriteriaList(), prompt.shape[1] + max_new_tokens,
+                             RaggedCache(target.config, 1, prompt.device), RandomStream.from_global_seed(),
+                             check_invariants=True)
+    tokens = decoder.run(prompt.clone(), torch.ones_like(prompt)).sequences(None)[0, prompt.shape[1]:].tolist()
     if stats is not None:
         stats.append(decoder.stats)
     return tokens
@@ -164,14 +164,14 @@ def test_lossless_sampling_matches_the_target_distribution(models, use_slim):
     """Exact in distribution, and accepting drafts at the rate theory gives: Σ min(π, q) where π is the
     distribution of the token handed to the full model (the drafter's p, or the slim tier's cascade π)."""
     target, drafter, mask = models
-    config = ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False, use_slim=use_slim, tau_accept=0.5)
+    config = ViaSDConfig.paper(routing_mask=mask, mode="lossless", adaptive=False, use_slim=use_slim, tau_accept=0.5)
     stats = []
     assert two_token_tv(models, config, stats=stats) < TV_BOUND
     p, q = next_probs(drafter, PROMPT), next_probs(target, PROMPT)
     if use_slim:
         slim, slim_unscaled = slim_next_probs(target, PROMPT, mask)
-        assert_mixes(p, slim_unscaled, config.tau_accept)
-        p = cascade_target(p, slim, slim_unscaled, config.tau_accept)
+        assert_mixes(p, slim_unscaled, config.knobs.tau_accept)
+        p = cascade_target(p, slim, slim_unscaled, config.knobs.tau_accept)
     assert abs(first_draft_acceptance(stats, "lossless") - acceptance(p, q)) < ACCEPTANCE_TOLERANCE
     assert sum(one.slim_forwards for one in stats) == (N if use_slim else 0)
     if use_slim:
@@ -183,13 +183,13 @@ LOOKUP_PROMPT = torch.tensor([[1, 5, 2, 7, 3, 5, 2]])  # the trailing bigram rec
 
 def test_lossless_sampling_with_prompt_lookup_matches_the_target(models):
     target, _, mask = models
-    config = ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False, tau_accept=0.5)
+    config = ViaSDConfig.paper(routing_mask=mask, mode="lossless", adaptive=False, tau_accept=0.5)
     stats = []
     assert two_token_tv(models, config, prompt_lookup=True, prompt=LOOKUP_PROMPT, stats=stats) < TV_BOUND
     slim, slim_unscaled = slim_next_probs(target, LOOKUP_PROMPT, mask)
     lookup = torch.zeros(VOCAB, dtype=slim.dtype)
     lookup[7] = 1.0  # a deterministic draft: all its proposal mass on the copied token
-    handed_on = cascade_target(lookup, slim, slim_unscaled, config.tau_accept)
+    handed_on = cascade_target(lookup, slim, slim_unscaled, config.knobs.tau_accept)
     rate = first_draft_acceptance(stats, "lossless")
     assert abs(rate - acceptance(handed_on, next_probs(target, LOOKUP_PROMPT))) < ACCEPTANCE_TOLERANCE
     assert rate > 0 and sum(one.slim_forwards for one in stats) == N
@@ -200,9 +200,9 @@ def test_hybrid_drafting_samples_the_target_distribution(models, prompt, monkeyp
     """Where the context repeats itself the hybrid drafter copies, elsewhere the assistant drafts; lossless sampling
     is exact either way."""
     assistant_drafts = []
-    draft = AssistantDrafter.draft
-    monkeypatch.setattr(AssistantDrafter, "draft", lambda self, *args: assistant_drafts.append(1) or draft(self, *args))
-    config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
+    draft = BatchAssistant.draft
+    monkeypatch.setattr(BatchAssistant, "draft", lambda self, *args: assistant_drafts.append(1) or draft(self, *args))
+    config = ViaSDConfig.paper(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
     stats = []
     assert two_token_tv(models, config, prompt=prompt, stats=stats, hybrid=True) < TV_BOUND
     assert bool(assistant_drafts) == (prompt is PROMPT)
@@ -214,18 +214,19 @@ def test_the_tv_bound_catches_a_wrong_residual(models, monkeypatch):
         return None if uniform * proposal[token] < target[token] else sampling.sample(target, rng)
 
     monkeypatch.setattr(accept, "rejection_step", resample_from_target)
-    config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
+    config = ViaSDConfig.paper(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
     assert two_token_tv(models, config) > TV_BOUND
 
 
 def test_the_tv_bound_catches_a_wrong_proposal(models, monkeypatch):
-    def verify_against_slim(tiers, state, draft):
+    def verify_against_slim(self, draft):
         """No repair, and the full model told the drafts follow the slim verifier's distribution."""
-        slim_scores = tiers.slim.score(state, draft.tokens).scores
-        return policies.two_tier(tiers, state, Draft(draft.tokens, list(slim_scores.softmax(-1)[: len(draft.tokens)])))
+        views = self.score(draft.tokens, routed=True)
+        return [policies.SlimRepair(Draft(row.tokens, list(view.scores.softmax(-1)[: len(row.tokens)])),
+                                    accept.Verdict(len(row.tokens), None)) for view, row in zip(views, draft.rows)], views
 
-    monkeypatch.setattr(decoding, "lossless", verify_against_slim)
-    config = ViaSDConfig(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
+    monkeypatch.setattr(BatchedDecoder, "repair", verify_against_slim)
+    config = ViaSDConfig.paper(routing_mask=models[2], mode="lossless", adaptive=False, tau_accept=0.5)
     assert two_token_tv(models, config) > TV_BOUND
 
 
@@ -249,14 +250,14 @@ def test_tiered_sampling_commits_the_cascade_mixture(models):
     block), nowhere else."""
     target, drafter, mask = models
     # τ_acc = 0.9: a confident set A small enough that what is committed differs clearly from q as well as p
-    config = ViaSDConfig(routing_mask=mask, mode="tiered", tau_accept=0.9, tau_escalate=0.0, adaptive=False)
+    config = ViaSDConfig.paper(routing_mask=mask, mode="tiered", tau_accept=0.9, tau_escalate=0.0, adaptive=False)
     stats = []
     first = Counter(run(target, drafter, config, 2, seed, stats=stats)[0] for seed in range(N))
     p, q = next_probs(drafter, PROMPT), next_probs(target, PROMPT)
     slim, slim_unscaled = slim_next_probs(target, PROMPT, mask)
-    assert_mixes(p, slim_unscaled, config.tau_accept)
-    mixture = cascade_target(p, slim, slim_unscaled, config.tau_accept)
-    escalated = slim_unscaled / slim_unscaled.max() <= config.tau_escalate
+    assert_mixes(p, slim_unscaled, config.knobs.tau_accept)
+    mixture = cascade_target(p, slim, slim_unscaled, config.knobs.tau_accept)
+    escalated = slim_unscaled / slim_unscaled.max() <= config.knobs.tau_escalate
     committed = one_token_tiered_distribution(p, mixture, q, escalated)
     exact = {v: committed[v].item() for v in range(VOCAB)}
     assert total_variation(first, exact, N) < 0.05
@@ -276,7 +277,7 @@ def test_tiered_sampling_commits_the_cascade_mixture(models):
 def test_cascade_sampling_commits_the_mixture_of_drafter_and_full_model(models):
     """The two-model cascade baseline: π built from the drafter and the *full* model at lenience α."""
     target, drafter, _ = models
-    config = ViaSDConfig(mode="tiered", use_slim=False, cascade_lenience=0.4)
+    config = ViaSDConfig.paper(mode="tiered", use_slim=False, cascade_lenience=0.4)
     stats = []
     first = Counter(run(target, drafter, config, 2, seed, stats=stats)[0] for seed in range(N))
     p = next_probs(drafter, PROMPT)

@@ -12,8 +12,9 @@ from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, Stop
 import viasd_hf.generation as generation
 from conftest import VOCAB, tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, routed, viasd_generate
-from viasd_hf.drafters import PromptLookupDrafter
 from viasd_hf.engine.accept import Draft
+from viasd_hf.engine.batch.drafting import BatchDraft
+from viasd_hf.engine.batch.lookup import PromptLookupDrafter
 from viasd_hf.engine.decisions import forbidden
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -51,15 +52,20 @@ def viasd(target, ids, config, max_new_tokens=16, **kwargs):
 
 
 class ForbiddenDrafter:
-    """A drafter that ignores the logits processors: wherever they forbid some token, it proposes one."""
+    """A batch drafter that ignores the logits processors: wherever they forbid some token, it proposes one."""
 
     name = "forbidden"
+    head = mask = None
+    compactions = 0
 
     def __init__(self, processors: LogitsProcessorList) -> None:
         self.processors = processors
         self.proposed: list[int] = []
 
-    def draft(self, ids, max_tokens, *rng) -> Draft:
+    def draft(self, rows, limits, rng, keep_drafting) -> BatchDraft:
+        return BatchDraft([self.draft_row(row.ids, limit) for row, limit in zip(rows.active, limits)])
+
+    def draft_row(self, ids, max_tokens) -> Draft:
         sequence, tokens = ids, []
         while len(tokens) < max_tokens:
             banned = forbidden(self.processors(sequence, torch.zeros((1, VOCAB))))[0].nonzero()[:, 0].tolist()
@@ -71,11 +77,20 @@ class ForbiddenDrafter:
             sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=-1)
         return Draft(tokens=tokens, probs=[None] * len(tokens))
 
-    def commit(self, ids) -> None:
+    def unread(self, rows) -> int:
+        return 0
+
+    def read(self, rows) -> int:
+        return 0
+
+    def commit(self, rows) -> None:
         pass
 
-    def prefill(self, ids) -> int:
-        return 0
+    def select(self, staying) -> None:
+        pass
+
+    def tidy(self) -> None:
+        pass
 
 
 @pytest.fixture
@@ -88,7 +103,7 @@ def forbidden_drafter(monkeypatch):
         made.append(ForbiddenDrafter(processors))
         return made[-1]
 
-    monkeypatch.setattr(generation, "build_drafter", build)
+    monkeypatch.setattr(generation, "batch_drafter", build)
     return made
 
 
@@ -110,8 +125,8 @@ PROCESSORS = {
 }
 # Every draft is accepted on raw probabilities (thresholds 0) unless the tier guards the processors.
 LENIENT = {
-    "slim tier": lambda mask: ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False),
-    "cascade": lambda mask: ViaSDConfig(mode="tiered", use_slim=False, cascade_lenience=0.999),
+    "slim tier": lambda mask: ViaSDConfig.paper(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False),
+    "cascade": lambda mask: ViaSDConfig.paper(mode="tiered", use_slim=False, cascade_lenience=0.999),
 }
 
 
@@ -139,18 +154,18 @@ def repetitive_prompt(seed: int) -> torch.Tensor:
 
 def test_prompt_lookup_cuts_its_draft_before_a_forbidden_token():
     ids = torch.tensor([[11, 12, 13, 14, 11, 12]])
-    assert PromptLookupDrafter(4).draft(ids, 4, None).tokens == [13, 14, 11, 12]
+    assert PromptLookupDrafter(4).draft(ids, 4).tokens == [13, 14, 11, 12]
     no_repeat = LogitsProcessorList([NoRepeatNGramLogitsProcessor(3)])
     # (11, 12, 13) was seen: 13 is forbidden after 11 12, so every match yields nothing
-    assert PromptLookupDrafter(4, no_repeat, VOCAB).draft(ids, 4, None).tokens == []
+    assert PromptLookupDrafter(4, no_repeat, VOCAB).draft(ids, 4).tokens == []
     ids = torch.tensor([[11, 12, 13, 14, 20, 12]])
     # copies 13 14 20 12 after the 12: (20, 12, 13) is new, (12, 13, 14) was seen, so 14 is cut
-    assert PromptLookupDrafter(4, no_repeat, VOCAB).draft(ids, 4, None).tokens == [13]
+    assert PromptLookupDrafter(4, no_repeat, VOCAB).draft(ids, 4).tokens == [13]
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_prompt_lookup_in_tiered_mode_respects_no_repeat_ngram_size(target, mask, seed):
-    config = ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False)
+    config = ViaSDConfig.paper(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False)
     out = viasd(target, repetitive_prompt(seed), config, max_new_tokens=16, prompt_lookup_num_tokens=4,
                 no_repeat_ngram_size=2)
     sequence = out.sequences[0].tolist()
@@ -163,7 +178,7 @@ def test_prompt_lookup_in_tiered_mode_respects_no_repeat_ngram_size(target, mask
 def test_prompt_lookup_in_tiered_mode_respects_bad_words(target, mask, do_sample):
     ids = repetitive_prompt(4)
     banned = [[int(ids[0, 2])], [int(ids[0, 3])]]  # the lookup copies these
-    config = ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False)
+    config = ViaSDConfig.paper(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0, adaptive=False)
     torch.manual_seed(0)
     out = viasd(target, ids, config, max_new_tokens=16, prompt_lookup_num_tokens=4, bad_words_ids=banned,
                 do_sample=do_sample)
@@ -189,7 +204,7 @@ class RecordingCriteria(StoppingCriteria):
 @pytest.mark.parametrize("output_scores", [True, False])
 def test_stopping_criteria_get_the_scores_generate_gives_them(target, mask, output_scores):
     ids = prompt(2)
-    config = ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False)
+    config = ViaSDConfig.paper(routing_mask=mask, mode="lossless", adaptive=False)
     ours, theirs = RecordingCriteria(7), RecordingCriteria(7)
     out = viasd(target, ids, config, max_new_tokens=16, prompt_lookup_num_tokens=3, output_scores=output_scores,
                 stopping_criteria=StoppingCriteriaList([ours]))
@@ -215,7 +230,7 @@ def test_confidence_criteria_reading_scores_works_as_in_generate(target, mask):
     criteria = StoppingCriteriaList([ConfidenceCriteria(threshold)])
     expected = target.generate(ids, max_new_tokens=16, output_scores=True, return_dict_in_generate=True,
                                stopping_criteria=criteria, **GREEDY)
-    out = viasd(target, ids, ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False), max_new_tokens=16,
+    out = viasd(target, ids, ViaSDConfig.paper(routing_mask=mask, mode="lossless", adaptive=False), max_new_tokens=16,
                 prompt_lookup_num_tokens=3, output_scores=True, stopping_criteria=criteria)
     assert torch.equal(out.sequences, expected.sequences)
     assert out.sequences.shape[1] < PROMPT_LENGTH + 16
@@ -225,7 +240,7 @@ def test_confidence_criteria_reading_scores_works_as_in_generate(target, mask):
 def test_output_logits_are_the_raw_logits_of_each_committed_token(target, mask, assistant, mode):
     ids = prompt(4)
     expected = target.generate(ids, max_new_tokens=12, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    out = viasd(target, ids, ViaSDConfig(routing_mask=mask, mode=mode, adaptive=False), max_new_tokens=12,
+    out = viasd(target, ids, ViaSDConfig.paper(routing_mask=mask, mode=mode, adaptive=False), max_new_tokens=12,
                 drafter=assistant, output_logits=True)
     assert out.logits is not None and len(out.logits) == 12
     assert all(row.shape == (1, VOCAB) and row.dtype == torch.float32 for row in out.logits)
@@ -277,7 +292,7 @@ def test_a_matching_left_padded_attention_mask_still_works(target, mask):
     ids = torch.cat([torch.zeros((1, 2), dtype=torch.long), prompt(5, 8)], dim=-1)
     attention_mask = torch.cat([torch.zeros((1, 2), dtype=torch.long), torch.ones((1, 8), dtype=torch.long)], dim=-1)
     expected = target.generate(ids, attention_mask=attention_mask, max_new_tokens=8, **GREEDY)
-    out = viasd(target, ids, ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False), max_new_tokens=8,
+    out = viasd(target, ids, ViaSDConfig.paper(routing_mask=mask, mode="lossless", adaptive=False), max_new_tokens=8,
                 prompt_lookup_num_tokens=3, attention_mask=attention_mask)
     assert torch.equal(out.sequences, expected)
 
@@ -359,9 +374,9 @@ def test_viasd_inside_a_users_routed_block_is_refused(target, mask):
 ])
 def test_config_fields_are_checked_at_construction_and_again_at_generate(target, mask, field, value, error):
     with pytest.raises(error, match=field):
-        ViaSDConfig(**{"routing_mask": mask, field: value})
-    config = ViaSDConfig(mode="tiered", routing_mask=mask, adaptive=False)
-    setattr(config, field, value)  # changed after construction
+        ViaSDConfig.paper(**{"routing_mask": mask, field: value})
+    config = ViaSDConfig.paper(mode="tiered", routing_mask=mask, adaptive=False)
+    setattr(config.knobs if hasattr(config.knobs, field) else config, field, value)  # changed after construction
     with pytest.raises(error, match=field):
         viasd(target, prompt(0), config, max_new_tokens=4, prompt_lookup_num_tokens=3)
     with pytest.raises(error, match=field):

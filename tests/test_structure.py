@@ -113,6 +113,26 @@ def test_no_import_cycle_among_viasd_hf_modules():
     )
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between packages (``viasd_hf.engine`` and everything under it is ``engine``); a module at the
+    top of the package stands for itself (``viasd_hf.config``)."""
+    def node(module: str) -> str:
+        return _package_of(module) or module
+
+    packages: dict[str, set[str]] = {node(module): set() for module in graph}
+    for module, imported in graph.items():
+        packages[node(module)].update(node(target) for target in imported if node(target) != node(module))
+    return packages
+
+
+def test_no_import_cycle_among_viasd_hf_packages():
+    """Packages by concern, arrows one way: a package never imports one that imports it back, directly or not."""
+    found = cycles(package_graph(import_graph(PACKAGE)))
+    assert not found, "package import cycles (move the module to the package that owns its concern):\n" + "\n".join(
+        "  " + " -> ".join(cycle) for cycle in found
+    )
+
+
 def test_no_module_is_over_400_lines():
     long = {
         path.relative_to(PACKAGE.parent): count

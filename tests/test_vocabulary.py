@@ -15,17 +15,16 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from conftest import VOCAB, tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
-from viasd_hf.drafters import AssistantDrafter
-from viasd_hf.engine.accept import Draft
-from viasd_hf.engine.loop import ViaSDDecoder
-from viasd_hf.engine.policies import Tiers, VerificationRules, tiered
-from viasd_hf.engine.verifier import Verifier
-from viasd_hf.generation import initial_state
+from viasd_hf.calibration.vocabulary import choose_size, coverage, rank_tokens
+from viasd_hf.engine.batch.drafting import BatchAssistant
+from viasd_hf.engine.batch.loop import BatchedDecoder
+from viasd_hf.engine.batch.ragged_cache import RaggedCache
+from viasd_hf.engine.batch.rows import Rows
+from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.hub import files as hub_files
 from viasd_hf.masks import repo as mask_repo
 from viasd_hf.masks.architectures import config_fingerprint
 from viasd_hf.vocabulary import DraftVocabulary, DraftVocabularyError
-from viasd_hf.vocabulary.build import choose_size, coverage, rank_tokens
 from viasd_hf.vocabulary.head import SubsetHead
 from viasd_hf.vocabulary.lookup import clear_vocabulary_cache, resolve_vocabulary
 
@@ -61,7 +60,7 @@ def test_lossless_greedy_over_a_vocabulary_is_token_identical_to_generate(kind, 
     target = enable_viasd(tiny_causal_lm(kind))
     mask = RoutingMask.from_model(target, skip=[1, 4])
     kwargs: dict = {}
-    config = ViaSDConfig(routing_mask=mask, mode=mode, adaptive=False, tau_accept=0.3, tau_escalate=0.1,
+    config = ViaSDConfig.paper(routing_mask=mask, mode=mode, adaptive=False, tau_accept=0.3, tau_escalate=0.1,
                          vocabulary=vocabulary_for(target))
     if drafting == "assistant":
         kwargs["assistant_model"] = tiny_causal_lm(kind, seed=3)
@@ -77,72 +76,56 @@ def test_lossless_greedy_over_a_vocabulary_is_token_identical_to_generate(kind, 
     assert out.viasd_stats.slim_forwards > 0
 
 
-class RecordingDecoder(ViaSDDecoder):
-    """Records who made every committed token."""
+class RecordingDecoder(BatchedDecoder):
+    """Records who made every committed token of its one row."""
 
-    def commit(self, state, block):
-        self.made = getattr(self, "made", []) + list(zip(block.tokens, block.made_by))
-        super().commit(state, block)
-
-
-def decode(target, drafter, config, do_sample, prompt, max_new_tokens, heads=(None, None)):
-    assistant = AssistantDrafter(drafter, processors() if do_sample else LogitsProcessorList(), None, do_sample,
-                                 head=heads[0])
-    decoder = RecordingDecoder(target, assistant, config, config.routing_mask if config.use_slim else None,
-                               processors() if do_sample else LogitsProcessorList(), StoppingCriteriaList(),
-                               max_length=prompt.shape[1] + max_new_tokens, do_sample=do_sample, check_invariants=True,
-                               slim_head=heads[1])
-    state = decoder.run(initial_state(target, prompt.clone(), {}))
-    return state.ids[0, prompt.shape[1]:].tolist(), decoder
+    def commit(self, blocks, draft, catch_up=False):
+        self.made = getattr(self, "made", []) + list(zip(blocks[0].tokens, blocks[0].made_by))
+        return super().commit(blocks, draft, catch_up)
 
 
-def test_tiered_drafts_and_slim_tokens_come_from_the_vocabulary(prompt_ids):
+def decode(target, drafter, config, do_sample, prompt, max_new_tokens, head=None):
+    """One prompt through the decoder, the assistant drafting over ``head``'s vocabulary."""
+    processing = processors() if do_sample else LogitsProcessorList()
+    assistant = BatchAssistant(drafter, processing, None, frozenset(), 1, prompt.device, head=head)
+    decoder = RecordingDecoder(target, assistant, drafter, config, config.routing_mask if config.use_slim else None,
+                               processing, StoppingCriteriaList(), prompt.shape[1] + max_new_tokens,
+                               RaggedCache(target.config, 1, prompt.device),
+                               RandomStream.from_global_seed() if do_sample else None, check_invariants=True)
+    rows = decoder.run(prompt.clone(), torch.ones_like(prompt))
+    return rows.sequences(None)[0, prompt.shape[1]:].tolist(), decoder
+
+
+def test_tiered_drafts_come_from_the_vocabulary(prompt_ids):
     target, drafter = tiny_causal_lm("llama"), tiny_causal_lm("llama", seed=3)
-    config = ViaSDConfig(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[1, 4]), adaptive=False,
-                         tau_accept=0.3, tau_escalate=0.05)
-    heads = (SubsetHead(drafter, EVEN), SubsetHead(target, EVEN))
-    _, decoder = decode(target, drafter, config, False, prompt_ids, 40, heads)
+    config = ViaSDConfig.paper(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[1, 4]), adaptive=False,
+                               tau_accept=0.3, tau_escalate=0.05)
+    _, decoder = decode(target, drafter, config, False, prompt_ids, 40, SubsetHead(drafter, EVEN))
     by_tier = {tier: [token for token, made_by in decoder.made if made_by == tier] for tier in ("drafter", "slim")}
     assert by_tier["drafter"] and by_tier["slim"]
-    assert all(token in EVEN for token in by_tier["drafter"] + by_tier["slim"])
-
-
-def test_a_draft_outside_the_vocabulary_is_escalated_by_the_slim_tier(prompt_ids):
-    """With thresholds of 0 the slim tier accepts any draft, except one outside its vocabulary: that one goes up."""
-    target = tiny_causal_lm("llama")
-    mask = RoutingMask.from_model(target, skip=[1, 4])
-    config = ViaSDConfig(mode="tiered", routing_mask=mask, tau_accept=0.0, tau_escalate=0.0)
-    outside, inside = 5, 4
-    for head, draft, escalated in [(None, outside, False), (SubsetHead(target, EVEN), outside, True),
-                                   (SubsetHead(target, EVEN), inside, False)]:
-        state = initial_state(target, prompt_ids.clone(), {})
-        state.target_cache.run(target, state.ids[:, :-1], 0, keep=1)
-        state.target_cache.keep(state.length - 1)
-        tiers = Tiers(Verifier(target, None, LogitsProcessorList()), Verifier(target, mask, LogitsProcessorList(), head),
-                      VerificationRules(config, None))
-        block = tiered(tiers, state, Draft([draft], [None]))
-        assert block.escalated == escalated and block.decided_by == ("full" if escalated else "slim")
-
+    assert all(token in EVEN for token in by_tier["drafter"]), "the slim tier decodes the whole vocabulary"
 
 
 @pytest.mark.parametrize("mode", ["lossless", "tiered"])
 def test_processors_that_allow_nothing_in_the_vocabulary_leave_the_block_to_the_full_model(mode):
-    """``suppress_tokens`` rules out every vocabulary token: the assistant stops drafting and the slim tier, which has
-    no token to vouch with, hands prompt-lookup drafts to the full model, so the output is generate's in both modes."""
+    """``suppress_tokens`` rules out every vocabulary token: the assistant stops drafting, so the full model decides
+    every token and the output is generate's in both modes; prompt lookup's drafts (lossless) are verified as ever."""
     target = enable_viasd(tiny_causal_lm("llama"))
     prompt = torch.tensor([[3, 5, 7, 9, 3, 5, 7, 9, 3, 5]])
-    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[1, 4]), mode=mode, adaptive=False,
+    config = ViaSDConfig.paper(routing_mask=RoutingMask.from_model(target, skip=[1, 4]), mode=mode, adaptive=False,
                          tau_accept=0.0, tau_escalate=0.0, vocabulary=vocabulary_for(target))
     reference = target.generate(prompt, max_new_tokens=12, do_sample=False, suppress_tokens=EVEN, viasd_config=None)
-    for kwargs in ({"prompt_lookup_num_tokens": 3}, {"assistant_model": tiny_causal_lm("llama", seed=3)}):
+    drafters = [{"assistant_model": tiny_causal_lm("llama", seed=3)}]
+    drafters += [{"prompt_lookup_num_tokens": 3}] if mode == "lossless" else []
+    for kwargs in drafters:
         out = target.generate(prompt, max_new_tokens=12, do_sample=False, suppress_tokens=EVEN, viasd_config=config,
                               return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, reference)
         if "assistant_model" in kwargs:
             assert out.viasd_stats.drafted_tokens == 0
         else:
-            assert out.viasd_stats.slim_forwards > 0 and out.viasd_stats.slim_committed_tokens == 0
-    torch.manual_seed(0)  # sampling: a slim pass with no allowed token has no distribution to sample (NaN) at all
+            assert out.viasd_stats.slim_forwards > 0
+    torch.manual_seed(0)
     sampled = target.generate(prompt, max_new_tokens=12, do_sample=True, suppress_tokens=EVEN, viasd_config=config,
                               prompt_lookup_num_tokens=3)
     assert all(token not in EVEN for token in sampled[0, prompt.shape[1]:].tolist())
@@ -158,23 +141,22 @@ def small_models():
     return target, drafter, RoutingMask.from_model(target, skip=[2, 3])
 
 
-@pytest.mark.parametrize("tiers", [("drafter",), ("drafter", "slim")], ids=["drafter", "drafter+slim"])
-def test_lossless_sampling_over_a_vocabulary_is_exact(small_models, tiers):
+@pytest.mark.parametrize("use_slim", [False, True], ids=["two tiers", "three tiers"])
+def test_lossless_sampling_over_a_vocabulary_is_exact(small_models, use_slim):
     """The drafter samples its softmax over the vocabulary and hands exactly that proposal on: the output follows the
     target's distribution, and the first draft is kept at the rate Σ min(p_V, q) of that proposal."""
     target, drafter, mask = small_models
     prompt = torch.tensor([[1, 5, 2, 7, 3]])
-    config = ViaSDConfig(routing_mask=mask, mode="lossless", adaptive=False, use_slim="slim" in tiers, tau_accept=0.5)
-    heads = (SubsetHead(drafter, SUBSET), SubsetHead(target, SUBSET) if "slim" in tiers else None)
+    config = ViaSDConfig.paper(routing_mask=mask, mode="lossless", adaptive=False, use_slim=use_slim, tau_accept=0.5)
     counts, kept = Counter(), 0
     for seed in range(N):
         torch.manual_seed(seed)
-        tokens, decoder = decode(target, drafter, config, True, prompt, 2, heads)
+        tokens, decoder = decode(target, drafter, config, True, prompt, 2, SubsetHead(drafter, SUBSET))
         counts[tuple(tokens)] += 1
         assert decoder.stats.drafted_tokens == 1 and tokens[0] in range(SMALL)
         kept += decoder.stats.accepted_at_position[0]
     assert total_variation(counts, exact_two_token_distribution(target, prompt), N) < TV_BOUND
-    if tiers == ("drafter",):
+    if not use_slim:
         scores = processors()(prompt, drafter(prompt).logits[:, -1].double().masked_fill(
             ~torch.isin(torch.arange(SMALL), torch.tensor(SUBSET)), float("-inf")))
         p_v = scores.softmax(-1)[0]
@@ -184,8 +166,11 @@ def test_lossless_sampling_over_a_vocabulary_is_exact(small_models, tiers):
 def test_the_drafters_proposal_is_its_softmax_over_the_vocabulary(small_models):
     _, drafter, _ = small_models
     prompt = torch.tensor([[1, 5, 2, 7, 3]])
-    assistant = AssistantDrafter(drafter, LogitsProcessorList(), None, head=SubsetHead(drafter, SUBSET))
-    draft = assistant.draft(prompt, 3, None)
+    assistant = BatchAssistant(drafter, LogitsProcessorList(), None, frozenset(), 1, prompt.device,
+                               head=SubsetHead(drafter, SUBSET))
+    rows = Rows(prompt, torch.ones_like(prompt), StoppingCriteriaList(), max_length=20)
+    assistant.read(rows)
+    draft = assistant.draft(rows, [3], None, None).rows[0]
     logits = drafter(prompt).logits[0, -1].double()
     expected = torch.full_like(logits, float("-inf"))
     expected[SUBSET] = logits[SUBSET]
@@ -226,8 +211,6 @@ def test_vocabulary_validation_names_the_problem(tmp_path):
         DraftVocabulary.from_pretrained(tmp_path / "bad")
     with pytest.raises(TypeError, match="ViaSDConfig.vocabulary must be"):
         ViaSDConfig(mode="tiered", vocabulary=3)
-    with pytest.raises(ValueError, match="vocabulary_tiers may name"):
-        ViaSDConfig(mode="tiered", vocabulary_tiers=("drafter", "full"))
 
 
 def test_round_trips_through_a_folder_and_a_viasd_config(tmp_path):
@@ -236,7 +219,7 @@ def test_round_trips_through_a_folder_and_a_viasd_config(tmp_path):
     path = vocabulary.save_pretrained(tmp_path / vocabulary.pair_folder)
     assert path == tmp_path / "tiny-random-llama" / "model-free" / "draft_vocabulary.json"
     assert DraftVocabulary.from_pretrained(path.parent) == vocabulary
-    config = ViaSDConfig(mode="tiered", vocabulary=vocabulary, vocabulary_tiers=("slim",))
+    config = ViaSDConfig(mode="tiered", vocabulary=vocabulary)
     config.save_pretrained(tmp_path / "config")
     assert ViaSDConfig.from_pretrained(tmp_path / "config") == config
 
@@ -312,7 +295,7 @@ def test_a_batch_drafts_over_the_vocabulary_and_stays_lossless(drafting, monkeyp
         lambda chosen: drafted.append(chosen[0]) or chosen if chosen is not None else None)(chosen_by(scores, *args)))
     spread = SubsetHead.spread
     monkeypatch.setattr(SubsetHead, "spread", lambda self, hidden: spread_rows.append(hidden.shape[0]) or spread(self, hidden))
-    config = ViaSDConfig(use_slim=False, adaptive=False, vocabulary=vocabulary_for(target),
+    config = ViaSDConfig.paper(mode="lossless", use_slim=False, adaptive=False, vocabulary=vocabulary_for(target),
                          self_draft_mask=RoutingMask.from_model(target, skip=[1, 3, 4]))
     kwargs: dict = {"assistant_model": tiny_causal_lm("llama", seed=3)} if drafting != "self" else {}
     if drafting == "hybrid":

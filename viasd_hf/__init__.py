@@ -4,7 +4,7 @@ from viasd_hf.extras import quietly as _quietly
 
 # transformers' models import torchao where it is installed, and torchao logs its kernels as they load
 with _quietly():
-    from viasd_hf.config import ViaSDConfig
+    from viasd_hf.config import PaperKnobs, ViaSDConfig
     from viasd_hf.engine.stats import ViaSDStats
     from viasd_hf.generation import ViaSDGenerationMixin, disable_viasd, enable_viasd, viasd_generate
     from viasd_hf.masks.architectures import UnsupportedArchitectureError
@@ -15,6 +15,7 @@ with _quietly():
 
 __all__ = [
     "MaskSet",
+    "PaperKnobs",
     "RoutingMask",
     "RoutingMaskError",
     "UnsupportedArchitectureError",

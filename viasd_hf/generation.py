@@ -9,8 +9,7 @@ Three entry points, all ending in ``viasd_generate``, the ``custom_generate`` ca
 
 ``generate`` prepares logits processors, stopping criteria, lengths and attention masks, then
 calls the callable — but forwards neither ``assistant_model`` nor ``streamer`` to it, so the
-mixin passes them under the callable's own names (docs/design.md, "Plugging into generate"), and ``viasd_generate`` recovers
-them from ``generate``'s frame when a user passed them with ``custom_generate=viasd_generate``.
+mixin and ``enable_viasd`` pass them under the callable's own names (docs/design.md, "Plugging into generate").
 
 ``enable_viasd`` binds ``generate`` on the instance, as transformers binds a Hub
 ``custom_generate``: the model's class, config, weights and pickling stay untouched.
@@ -19,43 +18,35 @@ them from ``generate``'s frame when a user passed them with ``custom_generate=vi
 from __future__ import annotations
 
 import functools
-import inspect
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import (
-    GenerationConfig,
-    GenerationMixin,
-    LogitsProcessorList,
-    StoppingCriteriaList,
-    StopStringCriteria,
-)
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import StaticCosts
 from viasd_hf.control.hybrid_choice import CopyOrDraft
-from viasd_hf.drafters import AssistantDrafter, Drafter, HybridDrafter, PromptLookupDrafter, SelfDrafter
 from viasd_hf.drafters.precision import drafter_for_call, drafting_reader
-from viasd_hf.drafters.translation import Translation, drafter_translation
-from viasd_hf.engine.batch import BatchedDecoder, RaggedCache, batch_drafter, check_batch_supported
-from viasd_hf.engine.batch.translating import translating_drafter
-from viasd_hf.engine.kv_cache import new_cache
-from viasd_hf.engine.loop import ViaSDDecoder
+from viasd_hf.drafters.translating import translating_drafter
+from viasd_hf.drafters.translation import drafter_translation
+from viasd_hf.engine.batch import BatchedDecoder, RaggedCache, check_batch_supported
+from viasd_hf.engine.batch.drafting import BatchAssistant, BatchDrafter, BatchHybrid, BatchLookup, BatchSelfDrafter
+from viasd_hf.engine.batch.lookup import PromptLookupDrafter
+from viasd_hf.engine.batch.model_drafts import Reader
 from viasd_hf.engine.preconditions import check_supported
 from viasd_hf.engine.sampling import RandomStream
-from viasd_hf.engine.state import DecodingState, ModelInputs, TargetCache
 from viasd_hf.engine.stats import ViaSDStats
 from viasd_hf.masks.architectures import is_encoder_decoder, model_config
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.resolver import CallMasks, masks_for_call
 from viasd_hf.masks.routing_mask import RoutingMask
+from viasd_hf.models.machine import emulated_bf16
 from viasd_hf.vocabulary.head import SubsetHead
-from viasd_hf.vocabulary.lookup import tier_heads
+from viasd_hf.vocabulary.lookup import drafter_vocabulary
 
 
 @dataclass
@@ -95,39 +86,27 @@ def prompt_lookup(
                                end_tokens=end_tokens(generation_config))
 
 
-def build_drafter(
-    model: nn.Module,
-    config: ViaSDConfig,
-    generation_config: GenerationConfig,
-    logits_processor: LogitsProcessorList,
-    assistant_model: nn.Module | None,
-    target_cache: TargetCache,
-    self_draft_mask: RoutingMask | None,
-    head: SubsetHead | None = None,
-) -> Drafter:
-    """Choose the drafter as HF users expect: assistant model, else prompt lookup, else the self-drafter.
-
-    ``assistant_model`` together with ``prompt_lookup_num_tokens`` drafts by prompt lookup where the
-    context repeats itself and with the assistant elsewhere (``HybridDrafter``); with ``adaptive=True``,
-    only while copying commits more per unit of cost (``hybrid_choice``). ``head``: the drafting
-    model's LM head cut to a draft vocabulary.
-    """
-    ends = end_tokens(generation_config)
-    lookup = prompt_lookup(model, generation_config, logits_processor)
+def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter | None,
+                  logits_processor: LogitsProcessorList, confidence_threshold: float | None, end_tokens: frozenset[int],
+                  target: RaggedCache, reader: Reader | None = None,
+                  self_drafting: tuple[nn.Module, RoutingMask] | None = None, context: int | None = None,
+                  head: SubsetHead | None = None, choice: CopyOrDraft | None = None) -> BatchDrafter:
+    """The assistant model (reading the prompts through ``reader`` where there is one, at most ``context`` tokens of
+    each), prompt lookup (``lookup``, each row copying from its own sequence), or both; without either, the target routed
+    with its self-drafting mask (``self_drafting``: the model and the mask) on its cache ``target``. ``head``: the
+    drafting model's LM head cut to a draft vocabulary; ``choice``: whether hybrid drafting copies (``BatchHybrid``)."""
+    batch_lookup = BatchLookup(lookup) if lookup is not None else None
     if assistant_model is None:
-        if lookup is not None:
-            return lookup
-        return SelfDrafter(model, self_draft_mask, target_cache, logits_processor, config.draft_confidence_threshold,
-                           generation_config.do_sample, head, ends)
-    assistant = AssistantDrafter(
-        assistant_model, logits_processor, config.draft_confidence_threshold, generation_config.do_sample,
-        inputs=target_cache.inputs, head=head, context=config.drafter_context, end_tokens=ends,
-        reader=drafting_reader(assistant_model),
-    )
-    if lookup is None:
-        return assistant
-    choice = CopyOrDraft(StaticCosts.for_drafter(model, assistant_model, None).drafter) if config.adaptive else None
-    return HybridDrafter(lookup, assistant, choice)
+        if batch_lookup is not None:
+            return batch_lookup
+        if self_drafting is None:
+            raise ValueError("a batch needs a drafter: assistant_model=..., prompt_lookup_num_tokens=... or "
+                             "ViaSDConfig(self_draft_mask=...)")
+        return BatchSelfDrafter(*self_drafting, target, logits_processor, confidence_threshold, end_tokens, head)
+    rows, device = target.mask.shape[0], target.mask.device
+    assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device, reader,
+                               context, head)
+    return assistant if batch_lookup is None else BatchHybrid(batch_lookup, assistant, choice)
 
 
 def call_masks(
@@ -141,58 +120,6 @@ def call_masks(
     )  # fmt: skip
 
 
-def initial_state(model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> DecodingState:
-    """The prompt and ``generate``'s empty cache; the encoder output too, for encoder-decoder models."""
-    cache = new_cache(model_config(model), model_kwargs.get("cache"))
-    if is_encoder_decoder(model):
-        encoder = {"encoder_outputs": model_kwargs["encoder_outputs"], "attention_mask": model_kwargs.get("attention_mask")}
-        inputs = ModelInputs(encoder_kwargs=encoder)
-    else:
-        inputs = ModelInputs(prompt_attention_mask=model_kwargs.get("attention_mask"))
-    return DecodingState(input_ids, TargetCache(cache, inputs))
-
-
-class _AfterPrompt(BaseStreamer):
-    """A user's streamer to which ``generate`` has already put the prompt: the decoder's own put of it is dropped."""
-
-    def __init__(self, streamer: BaseStreamer) -> None:
-        self.streamer = streamer
-        self.prompt_dropped = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.prompt_dropped:
-            self.streamer.put(value)
-        self.prompt_dropped = True
-
-    def end(self) -> None:
-        self.streamer.end()
-
-
-_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
-
-
-def _taken_from_generate(drafter: nn.Module | None, streamer: Any) -> tuple[nn.Module | None, Any]:
-    """The drafter and streamer, counting the ``assistant_model`` / ``streamer`` that ``generate`` kept back.
-
-    ``GenerationMixin.generate`` hands a ``custom_generate`` callable neither argument (docs/design.md, "Plugging into generate"), so
-    ``generate(custom_generate=viasd_generate, assistant_model=a)`` would silently run another
-    drafter. They are still ``generate``'s locals: read them from its frame, our direct caller.
-    """
-    caller = sys._getframe(2)
-    if caller.f_code is not _GENERATE_CODE:
-        return drafter, streamer
-    assistant_model, their_streamer = caller.f_locals.get("assistant_model"), caller.f_locals.get("streamer")
-    if assistant_model is not None:
-        if drafter is not None and drafter is not assistant_model:
-            raise ValueError("generate got both assistant_model= and drafter=, two different models: pass one of them")
-        drafter = assistant_model
-    if their_streamer is not None:
-        if streamer is not None:
-            raise ValueError("generate got both streamer= and viasd_streamer=: pass one of them")
-        streamer = _AfterPrompt(their_streamer)
-    return drafter, streamer
-
-
 def viasd_generate(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -201,54 +128,65 @@ def viasd_generate(
     generation_config: GenerationConfig,
     viasd_config: ViaSDConfig | None = None,
     drafter: nn.Module | None = None,
-    viasd_streamer: Any = None,
+    viasd_streamer: BaseStreamer | None = None,
     viasd_check_invariants: bool = False,
     viasd_tokenizer: Any = None,
     drafter_tokenizer: Any = None,
     **model_kwargs: Any,
 ) -> torch.Tensor | ViaSDDecoderOnlyOutput | ViaSDEncoderDecoderOutput:
-    """``custom_generate`` callable: VIA-SD decoding with ``drafter`` (an assistant model) or the config's choice; a
-    drafter of another tokenizer drafts through text (``viasd_tokenizer``, ``drafter_tokenizer``: ``generate``'s
-    ``tokenizer`` and ``assistant_tokenizer``), in the batched engine, as a batch of one where there is one prompt."""
-    drafter, viasd_streamer = _taken_from_generate(drafter, viasd_streamer)
+    """``custom_generate`` callable: VIA-SD decoding of every prompt of ``input_ids`` at once (one prompt is a batch
+    of one), drafted by ``drafter`` (an assistant model), prompt lookup, both, or the target itself.
+
+    ``generate`` hands a ``custom_generate`` callable neither its ``assistant_model`` nor its ``streamer``: called
+    directly, pass them as ``drafter=`` and ``viasd_streamer=``; ``enable_viasd`` and ``ViaSDGenerationMixin`` do that
+    for ``assistant_model=`` and ``streamer=`` (docs/design.md, "Plugging into generate"). A drafter of another
+    tokenizer drafts through text (``viasd_tokenizer``, ``drafter_tokenizer``: ``generate``'s ``tokenizer`` and
+    ``assistant_tokenizer``). Rows that finish early are padded with ``pad_token_id``, as ``generate`` pads them;
+    ``viasd_stats`` holds the totals and one ``ViaSDStats`` per row (``BatchViaSDStats``).
+    """
     config = ViaSDConfig.for_call(viasd_config)
     check_supported(model, input_ids, generation_config, model_kwargs, drafter)
     translation = drafter_translation(model, drafter, viasd_tokenizer, drafter_tokenizer, viasd_streamer)
-    if input_ids.shape[0] > 1 or translation is not None:
-        return generate_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, config, drafter,
-                              viasd_streamer, viasd_check_invariants, model_kwargs, translation)
-    drafter = drafter_for_call(drafter, config, bool(generation_config.do_sample))
-    state = initial_state(model, input_ids, model_kwargs)
-    copies = bool(generation_config.prompt_lookup_num_tokens)
-    drafter_head, slim_head = tier_heads(config.vocabulary, model, drafter, _drafter_id(drafter), copies,
-                                         tuple(config.vocabulary_tiers))
+    check_batch_supported(model, input_ids, generation_config, drafter, viasd_streamer, stopping_criteria, model_kwargs)
+    do_sample = bool(generation_config.do_sample)
+    drafter = drafter_for_call(drafter, config, do_sample)
     masks = call_masks(model, config, generation_config, drafter)
-    chosen = build_drafter(model, config, generation_config, logits_processor, drafter, state.target_cache,
-                           masks.self_draft, drafter_head)
+    slim_mask = masks.slim.default_mask if isinstance(masks.slim, MaskSet) else masks.slim
+    prompt_mask = None if is_encoder_decoder(model) else model_kwargs.get("attention_mask")  # the encoder's, there
+    prompt_mask = torch.ones_like(input_ids) if prompt_mask is None else prompt_mask
+    target_cache = RaggedCache(model_config(model), input_ids.shape[0], input_ids.device, model_kwargs.get("cache"),
+                               encoder_inputs(model, model_kwargs))
+    lookup = prompt_lookup(model, generation_config, logits_processor)
+    # a translated drafter drafts over its own whole vocabulary
+    head = None if translation is not None else drafter_vocabulary(config.vocabulary, model, drafter,
+                                                                    _drafter_id(drafter), lookup is not None)
+    reader = drafting_reader(drafter) if drafter is not None else None
+    if translation is not None:
+        chosen = translating_drafter(drafter, translation, lookup, config, target_cache, reader)
+    else:
+        self_drafting = (model, masks.self_draft) if masks.self_draft is not None else None
+        choice = None
+        if drafter is not None and lookup is not None and config.knobs.adaptive:  # hybrid drafting copies where it pays
+            choice = CopyOrDraft(StaticCosts.for_drafter(model, drafter, None).drafter)
+        chosen = batch_drafter(drafter, lookup, logits_processor, config.knobs.draft_confidence_threshold,
+                               end_tokens(generation_config), target_cache, reader, self_drafting,
+                               config.drafter_context, head, choice)
+    rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
     keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-    decoder = ViaSDDecoder(
-        model,
-        chosen,
-        config,
-        masks.slim,
-        logits_processor,
-        stopping_criteria,
-        max_length=generation_config.max_length,
-        streamer=viasd_streamer,
-        keep_scores=keep_scores,
-        keep_logits=keep_logits,
-        check_invariants=viasd_check_invariants,
-        do_sample=bool(generation_config.do_sample),
-        slim_head=slim_head,
-    )
-    decoder.run(state)
+    decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, logits_processor, stopping_criteria,
+                             generation_config.max_length, target_cache, rng, viasd_check_invariants, keep_scores,
+                             keep_logits, viasd_streamer, emulated_bf16(model))
+    rows = decoder.run(input_ids, prompt_mask)
+    pad = generation_config._pad_token_tensor
+    pad = None if pad is None else int(pad.flatten()[0])
+    sequences = rows.sequences(pad)
     if not generation_config.return_dict_in_generate:
-        return state.ids
+        return sequences
     outputs = {
-        "sequences": state.ids,
-        "scores": tuple(state.scores) if keep_scores else None,
-        "logits": tuple(state.logits) if keep_logits else None,  # raw, from the tier that chose each token
+        "sequences": sequences,
+        "scores": rows.per_step("scores", pad) if keep_scores else None,
+        "logits": rows.per_step("logits", pad) if keep_logits else None,  # raw, from the tier that chose each token
         "viasd_stats": decoder.stats,
     }
     if is_encoder_decoder(model):
@@ -256,60 +194,12 @@ def viasd_generate(
     return ViaSDDecoderOnlyOutput(**outputs)
 
 
-def generate_batch(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    config: ViaSDConfig,
-    drafter: nn.Module | None,
-    streamer: Any,
-    check_invariants: bool,
-    model_kwargs: dict[str, Any],
-    translation: Translation | None = None,
-) -> torch.Tensor | ViaSDDecoderOnlyOutput:
-    """``viasd_generate`` for more than one prompt, or a drafter of another tokenizer: batched lossless VIA-SD, greedy
-    or sampling (``viasd_hf.engine.batch``). Rows that finish early are padded with ``pad_token_id``, as ``generate``
-    pads them; ``viasd_stats`` holds the totals and one ``ViaSDStats`` per row (``BatchViaSDStats``)."""
-    check_batch_supported(model, input_ids, generation_config, drafter, streamer, stopping_criteria, model_kwargs)
-    do_sample = bool(generation_config.do_sample)
-    drafter = drafter_for_call(drafter, config, do_sample)
-    masks = call_masks(model, config, generation_config, drafter)
-    slim_mask = masks.slim.default_mask if isinstance(masks.slim, MaskSet) else masks.slim
-    prompt_mask = model_kwargs.get("attention_mask")
-    prompt_mask = torch.ones_like(input_ids) if prompt_mask is None else prompt_mask
-    target_cache = RaggedCache(model.config, input_ids.shape[0], input_ids.device)
-    lookup = prompt_lookup(model, generation_config, logits_processor)
-    self_drafting = (model, masks.self_draft) if masks.self_draft is not None else None
-    # a batch's slim tier decodes the whole vocabulary; a translated drafter, its own
-    drafting_tiers = tuple(tier for tier in config.vocabulary_tiers if tier == "drafter" and translation is None)
-    drafter_head, _ = tier_heads(config.vocabulary, model, drafter, _drafter_id(drafter), lookup is not None,
-                                 drafting_tiers)
-    reader = drafting_reader(drafter) if drafter is not None else None
-    if translation is not None:
-        chosen = translating_drafter(drafter, translation, lookup, config, target_cache, reader)
-    else:
-        chosen = batch_drafter(drafter, lookup, logits_processor, config.draft_confidence_threshold,
-                               end_tokens(generation_config), target_cache, reader, self_drafting,
-                               config.drafter_context, drafter_head)
-    rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
-    keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-    keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-    decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, logits_processor, stopping_criteria,
-                             generation_config.max_length, target_cache, rng, check_invariants, keep_scores, keep_logits)
-    rows = decoder.run(input_ids, prompt_mask)
-    pad = generation_config._pad_token_tensor
-    pad = None if pad is None else int(pad.flatten()[0])
-    sequences = rows.sequences(pad)
-    if not generation_config.return_dict_in_generate:
-        return sequences
-    return ViaSDDecoderOnlyOutput(
-        sequences=sequences,
-        scores=rows.per_step("scores", pad) if keep_scores else None,
-        logits=rows.per_step("logits", pad) if keep_logits else None,  # raw, from the tier that chose each token
-        viasd_stats=decoder.stats,
-    )
+def encoder_inputs(model: nn.Module, model_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """What every decoder pass of an encoder-decoder model feeds besides its tokens: the encoder output ``generate``
+    computed once, and the encoder's attention mask; ``None`` for a decoder-only model."""
+    if not is_encoder_decoder(model):
+        return None
+    return {"encoder_outputs": model_kwargs["encoder_outputs"], "attention_mask": model_kwargs.get("attention_mask")}
 
 
 class ViaSDGenerationMixin:

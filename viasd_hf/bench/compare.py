@@ -30,10 +30,10 @@ LEVERS = (
     ("cost model: draft planner + slim switch (lossless, hybrid)", "viasd_lossless_hybrid", "viasd_lossless_hybrid_nocost"),
     ("quantised models (--quantize), HF assisted", "hf_assisted", "hf_assisted_bf16"),
     ("quantised models + ours vs HF assisted bf16", "viasd_lossless", "hf_assisted_bf16"),
-    ("attention kernel measured per shape (lossless)", "viasd_lossless", "viasd_lossless_sdpa"),
+    ("timings steer (attention kernel, plain fallback, drafter's form; lossless)", "viasd_lossless",
+     "viasd_lossless_reproducible"),
     ("attention kernel measured per shape, HF assisted", "hf_assisted_fastattn", "hf_assisted"),
     ("drafter reads a window of a long prompt (lossless)", "viasd_lossless", "viasd_lossless_fullprompt"),
-    ("runner-up leaf beside greedy drafts (lossless)", "viasd_lossless", "viasd_lossless_norunnerup"),
     ("ours vs HF assisted, both with the measured kernel", "viasd_lossless", "hf_assisted_fastattn"),
 )
 QUALITY_KEYS = ("rougeL", "bleu", "exact_match", "pass@1")

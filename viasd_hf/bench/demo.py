@@ -272,7 +272,7 @@ def why_plain(target: nn.Module, rows: list[Row], measurements) -> str | None:
         return None
     timed = [m for m in measurements if m.scheme in UNQUANTIZED and m.decode_ms and m.verify_ms]
     ours = next((m for m in timed if UNQUANTIZED[m.scheme].dtype == target.dtype), None)
-    reason = fallback_advice(target, ours.verify_ms / ours.decode_ms if ours else None)
+    reason = fallback_advice(ours.verify_ms / ours.decode_ms if ours else None, emulated_bf16(target))
     others = [f"in {m.scheme} a one-token pass takes {m.decode_ms:.0f} ms ({m.decode_ratio:.2f}x bf16's) and a 6-token "
               f"pass {m.verify_ms / m.decode_ms:.1f}x that" for m in timed if m is not ours]
     return f"VIA-SD decoded {plain} of its {blocks} blocks plainly: {reason}" + "".join(f"; {o}" for o in others)

@@ -1,9 +1,9 @@
 """How often a method's tokens are the full model's own greedy choice after the method's own prefix.
 
 Agreement with greedy's output, position by position, says little in bf16: the first near-tie
-that flips with a pass's shape shifts everything after it, so even lossless methods score 0.6–0.9
-there. Here each generated token is judged on its own, teacher-forced: one pass of the full model
-over the prompt and the method's output gives its greedy choice at every position. A lossless
+that flips with a pass's shape shifts everything after it, so even lossless methods score well below 1
+there (docs/results.md, "Tiered mode"). Here each generated token is judged on its own, teacher-forced: one
+pass of the full model over the prompt and the method's output gives its greedy choice at every position. A lossless
 method scores 1.0 up to rounding (greedy's own score is that noise floor); a lossy tier (the slim
 verifier, a cascade) scores below it by the share of tokens the full model would not have chosen.
 """

@@ -22,7 +22,6 @@ from transformers.generation import candidate_generator
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.engine.attention import fastest_attention
 from viasd_hf.generation import enable_viasd
-from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import RoutingMask
 
 METHODS = (
@@ -33,28 +32,24 @@ METHODS = (
 UNQUANTIZED_REFERENCE = "hf_assisted_bf16"
 # HF assisted generation with the attention kernel our decoders measure (viasd_hf.engine.attention): what that lever gives HF
 STEERED_REFERENCE = "hf_assisted_fastattn"
-MASK_SET_METHODS = ("viasd_mask_set",)  # need a mask set, so they run only when asked for
 # HF's universal assisted generation and lossless VIA-SD, drafting with a model of another tokenizer
 # (MethodTable.other_drafter), so they run only when asked for
 OTHER_TOKENIZER_METHODS = ("hf_assisted_other_tokenizer", "viasd_other_tokenizer")
-KNOWN_METHODS = METHODS + MASK_SET_METHODS + OTHER_TOKENIZER_METHODS
+KNOWN_METHODS = METHODS + OTHER_TOKENIZER_METHODS
 HYBRID_SUFFIX = "_hybrid"  # the same method, drafting by prompt lookup where the context repeats itself
 FLOAT32_TARGET_SUFFIX = "_fp32"
 # One lever of our decoders switched off (or the target's precision changed), for an ablation side by side: append to any of our methods
 # (after ``_hybrid``), e.g. ``viasd_lossless_hybrid_fullvocab``.
 ABLATIONS = {
-    "_fullvocab": "the whole vocabulary in the drafter and slim tier (vocabulary=None)",
+    "_fullvocab": "the drafter over the whole vocabulary (vocabulary=None)",
     "_nocost": "no cost model: the fixed draft rule and the slim tier always on (adaptive=False)",
-    "_sdpa": "the model's own attention kernel in every pass, none measured faster (attention='model')",
+    "_reproducible": "timings steer nothing: costs from weight sizes, every block speculates, the model's own attention "
+                     "kernel, the drafter as loaded (reproducible=True)",
     "_fullprompt": "the drafter reads the whole prompt (drafter_context=None)",
-    "_norunnerup": "no runner-up leaf beside greedy drafts (runner_up=False)",
-    "_nofallback": "speculate on every block, never falling back to plain decoding (plain_fallback=False)",
-    "_asloaded": "draft with the drafter as loaded, not its fastest form here (drafter_precision='as_loaded')",
     FLOAT32_TARGET_SUFFIX: "the target in float32, a copy beside the one loaded: where the CPU emulates bf16 it "
                            "verifies drafts natively",
 }
-OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set",
-               "viasd_other_tokenizer")
+OUR_METHODS = ("self_spec", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_other_tokenizer")
 
 
 @dataclass(frozen=True)
@@ -156,7 +151,7 @@ def _hf_method(target: nn.Module, drafts: bool, steered: bool = False, **extra: 
     short-query attention on the kernel measured fastest, as our decoders run it."""
 
     def run(ids: torch.Tensor, common: dict[str, Any]) -> Outcome:
-        with _counting(target) as counts, fastest_attention(steered):
+        with _counting(target) as counts, fastest_attention((target, extra.get("assistant_model")), steered):
             started = time.perf_counter()
             out = target.generate(ids, **common, **extra)
             seconds = time.perf_counter() - started
@@ -205,7 +200,6 @@ class MethodTable:
     self_draft_mask: RoutingMask | None
     settings: MethodSettings = field(default_factory=MethodSettings)
     unquantized: tuple[nn.Module, nn.Module] | None = None  # (target, drafter) in bf16, for UNQUANTIZED_REFERENCE
-    mask_set: MaskSet | None = None  # viasd_mask_set: ``viasd`` choosing among these masks online
     float32_target: nn.Module | None = None  # the target in float32, for methods named with FLOAT32_TARGET_SUFFIX
     # OTHER_TOKENIZER_METHODS: a drafter of another tokenizer, the target's tokenizer and the drafter's
     other_drafter: tuple[nn.Module, Any, Any] | None = None
@@ -227,8 +221,6 @@ class MethodTable:
             )
         if self.float32_target is None and any(FLOAT32_TARGET_SUFFIX in MethodName.parse(name).ablations for name in names):
             raise ValueError(f"methods named with {FLOAT32_TARGET_SUFFIX} need the target in float32 (MethodTable.float32_target)")
-        if "viasd_mask_set" in {MethodName.parse(name).base for name in names} and (self.mask_set is None or len(self.mask_set.masks) < 2):
-            raise ValueError("viasd_mask_set needs a mask set of two or more masks: pass --mask-set, or leave it out")
         if self.other_drafter is None and set(OTHER_TOKENIZER_METHODS) & {MethodName.parse(name).base for name in names}:
             raise ValueError(f"{' and '.join(OTHER_TOKENIZER_METHODS)} need a drafter of another tokenizer: pass "
                              "--other-drafter, or leave them out")
@@ -244,17 +236,11 @@ class MethodTable:
         if "_fullvocab" in method.ablations:
             config = replace(config, vocabulary=None)
         if "_nocost" in method.ablations:
-            config = replace(config, adaptive=False, tier_switching="auto")  # "measured" switching needs the cost model
-        if "_sdpa" in method.ablations:
-            config = replace(config, attention="model")
+            config = replace(config, knobs=replace(config.knobs, adaptive=False))
+        if "_reproducible" in method.ablations:
+            config = replace(config, reproducible=True)
         if "_fullprompt" in method.ablations:
             config = replace(config, drafter_context=None)
-        if "_norunnerup" in method.ablations:
-            config = replace(config, runner_up=False)
-        if "_nofallback" in method.ablations:
-            config = replace(config, plain_fallback=False)
-        if "_asloaded" in method.ablations:
-            config = replace(config, drafter_precision="as_loaded")
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_tokens} if method.hybrid else {}
         if method.base == "viasd_other_tokenizer":
             extra |= self._tokenizers()
@@ -284,18 +270,18 @@ class MethodTable:
     def _viasd_setup(self, name: str) -> tuple[ViaSDConfig, nn.Module | None]:
         """The config and drafter of one of our decoders (``self_spec`` drafts with the target itself)."""
         drafting = self.settings.drafting()
+        lossless = {"mode": "lossless"}
         if name == "self_spec":
-            return ViaSDConfig(use_slim=False, self_draft_mask=self.self_draft_mask, **drafting), None
+            return ViaSDConfig.paper(use_slim=False, self_draft_mask=self.self_draft_mask, **lossless, **drafting), None
         if name == "cascade":
-            return ViaSDConfig(mode="tiered", use_slim=False, cascade_lenience=self.settings.cascade_lenience,
-                               **drafting), self.drafter
+            return ViaSDConfig.paper(use_slim=False, cascade_lenience=self.settings.cascade_lenience,
+                                     **drafting), self.drafter
         if name == "two_tier":
-            return ViaSDConfig(use_slim=False, **drafting), self.drafter
+            return ViaSDConfig.paper(use_slim=False, **lossless, **drafting), self.drafter
         if name == "viasd_other_tokenizer":  # lossless, with the target's routing mask for the slim tier
-            return ViaSDConfig(routing_mask=self.mask, **drafting), self.other_drafter[0]
-        if name in ("viasd", "viasd_mask_set"):
-            # the wall-clock controller, so the slim tier runs wherever it pays on this machine; the
-            # default ("fixed" for tiered mode) trades that for reproducible output
-            mask = self.mask_set if name == "viasd_mask_set" else self.mask
-            return ViaSDConfig.paper(routing_mask=mask, tier_switching="measured", **drafting), self.drafter
-        return ViaSDConfig(routing_mask=self.mask, **drafting), self.drafter
+            return ViaSDConfig.paper(routing_mask=self.mask, **lossless, **drafting), self.other_drafter[0]
+        if name == "viasd":
+            # timings steer, so the slim tier runs wherever it pays on this machine; the default (nothing steered in
+            # tiered mode) trades that for reproducible output
+            return ViaSDConfig.paper(routing_mask=self.mask, reproducible=False, **drafting), self.drafter
+        return ViaSDConfig.paper(routing_mask=self.mask, **lossless, **drafting), self.drafter

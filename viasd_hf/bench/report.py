@@ -59,17 +59,16 @@ def per_task_markdown(summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def mask_markdown(summary: dict[str, dict[str, Any]]) -> str:
-    """Per task, for each of our decoders with a slim tier: the mask chosen (prompts per mask; "static" for a single
-    mask), the slim tier's agreement with the full model where it checked the slim tier, and the escalation rate."""
+def slim_tier_markdown(summary: dict[str, dict[str, Any]]) -> str:
+    """Per task, for each of our decoders with a slim tier: the slim tier's agreement with the full model where it
+    checked the slim tier, and the escalation rate."""
     tasks = list(next(iter(summary.values()))["per_task"])
     lines = ["| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
     for name, row in summary.items():
         cells = []
         for task in tasks:
             work = row["per_task"][task]
-            chosen = ", ".join(f"{mask} ×{count}" for mask, count in work.get("mask_chosen", {}).items()) or "static"
-            cells.append(f"{chosen} · {_cell(work.get('slim_agreement'))} · {_cell(work.get('escalation_rate'))}")
+            cells.append(f"{_cell(work.get('slim_agreement'))} · {_cell(work.get('escalation_rate'))}")
         if row.get("slim_on_fraction") is not None or (row.get("slim_forwards_per_token") or 0) > 0:  # with a slim tier
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

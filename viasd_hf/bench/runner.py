@@ -1,8 +1,8 @@
 """Run every method on the same prompts in one process and summarise speed, work and quality.
 
-Speed is only comparable within one run (machine load moves absolute tokens/s by ±15 % here,
-docs/design.md, "Benchmarking"), so the methods alternate prompt by prompt (the order rotates, so none always runs
-first), after a warm-up of each. Each prompt's time is the median over ``repeats``; a method's
+Speed is only comparable within one run (machine load moves absolute tokens/s by more than the effects
+measured: docs/design.md, "Benchmarking"), so the methods alternate prompt by prompt (the order rotates, so
+none always runs first), after a warm-up of each. Each prompt's time is the median over ``repeats``; a method's
 speed-up is the median over prompts of its tokens/s divided by greedy's on the same prompt.
 """
 
@@ -189,8 +189,6 @@ def _work(outcomes: list[Outcome]) -> dict[str, Any]:
             "slim_on_fraction": total("slim_on_blocks") / blocks if blocks else None,
             "slim_shadow_fraction": sum(stats.get("slim_shadow_blocks", 0) for stats in viasd) / blocks if blocks else None,
             "slim_forwards_per_token": total("slim_forwards") / tokens if tokens else None,
-            "runner_up_per_block": total("runner_up_blocks") / total("blocks") if total("blocks") else None,
-            "runner_up_taken": total("runner_up_tokens") / total("runner_up_blocks") if total("runner_up_blocks") else None,
             "time_shares": _time_shares(viasd),
         }
     return row
@@ -198,7 +196,7 @@ def _work(outcomes: list[Outcome]) -> dict[str, Any]:
 
 def _task_work(outcomes: list[Outcome]) -> dict[str, Any]:
     """Per task: who produced the tokens and, for VIA-SD, how often the slim tier ran, escalated and agreed with the
-    full model, where its on/off choice stood at the end and why, and which mask of a mask set was chosen."""
+    full model, and where its on/off choice stood at the end and why."""
     work = _work(outcomes)
     row = {key: work[key] for key in ("tier_fractions", "slim_on_fraction", "escalation_rate") if key in work}
     viasd = [o.viasd for o in outcomes if o.viasd is not None]
@@ -208,14 +206,6 @@ def _task_work(outcomes: list[Outcome]) -> dict[str, Any]:
     verdicts = [stats["slim_tier_verdict"] for stats in viasd if stats.get("slim_tier_verdict")]
     if verdicts:  # the controller's state carries over between prompts: the last one speaks for the task
         row["slim_tier_verdict"] = verdicts[-1]
-    choices = [stats["mask_choice"] for stats in viasd if stats.get("mask_choice")]
-    if choices:
-        chosen = [choice["chosen"] for choice in choices]
-        row["mask_chosen"] = {name: chosen.count(name) for name in dict.fromkeys(chosen)}
-        row["mask_agreement"] = {  # pooled over prompts: rows compared with the full model, as slim tier or probe
-            name: {key: sum(choice["masks"][name][key] for choice in choices) for key in ("agreed_rows", "compared_rows", "probes")}
-            for name in choices[0]["masks"]
-        }
     return row
 
 

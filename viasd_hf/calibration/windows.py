@@ -31,10 +31,10 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from viasd_hf.data.datasets import SPEC_BENCH_ENV, spec_bench_path, spec_bench_records
 from viasd_hf.engine.kv_cache import crop_to, new_cache
+from viasd_hf.hub.files import viasd_home
 from viasd_hf.masks.architectures import config_fingerprint, model_config
 from viasd_hf.masks.layer_skipping import routed
 from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.models.zoo import viasd_home
 
 CACHE_FORMAT = 1
 REFERENCE_BYTES = 1 << 30  # keep full-vocabulary log q in float32 up to this size, else float16

@@ -29,9 +29,9 @@ from viasd_hf.bench.methods import (
 from viasd_hf.bench.report import (
     environment,
     markdown,
-    mask_markdown,
     per_task_markdown,
     plots,
+    slim_tier_markdown,
     time_markdown,
     verdict_lines,
 )
@@ -57,8 +57,7 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.data.tasks import DATASETS, Example, load_examples, load_jsonl
 from viasd_hf.drafters.precision import drafting_copy
 from viasd_hf.extras import require
-from viasd_hf.masks.mask_set import MaskSet
-from viasd_hf.masks.routing_mask import MALFORMED_MASK_ERRORS, RoutingMask, RoutingMaskError
+from viasd_hf.masks.routing_mask import RoutingMask, RoutingMaskError
 from viasd_hf.models.quantization import (
     QuantizationChoice,
     QuantizationUnavailableError,
@@ -67,7 +66,7 @@ from viasd_hf.models.quantization import (
 )
 
 # base decoders (MethodName.base) that draft with the drafter model / need a routing mask for the pair
-DRAFTER_METHODS = frozenset({"hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless", "viasd_mask_set",
+DRAFTER_METHODS = frozenset({"hf_assisted", "cascade", "two_tier", "viasd", "viasd_lossless",
                              UNQUANTIZED_REFERENCE, STEERED_REFERENCE})
 MASK_METHODS = frozenset({"viasd", "viasd_lossless"})
 
@@ -109,7 +108,6 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         f"quantization, int8, 4bit or auto); add {UNQUANTIZED_REFERENCE} to compare with HF on the bf16 pair")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
     parser.add_argument("--mask", help="VIA-SD routing mask (folder / JSON / Hub id; default: the mask known for the pair)")
-    parser.add_argument("--mask-set", help="viasd_mask_set's masks (folder / Hub id; default: the pair's set, if known)")
     parser.add_argument("--self-draft-mask", help="self_spec's drafting mask (default: the target's known self mask)")
     parser.add_argument("--gamma", type=positive_int, default=5, help="draft tokens per block for every drafting method of ours")
     parser.add_argument("--draft-threshold", type=probability, default=0.4, help="stop drafting below this drafter confidence")
@@ -153,19 +151,6 @@ def _load_role(args: argparse.Namespace, role: str, quantized: dict[str, Quantiz
     if not choice.quantized:
         return load_model(getattr(args, role), str(choice.scheme.dtype).removeprefix("torch."), f"--{role}")
     return load_model(getattr(args, role), args.dtype, f"--{role}", choice.scheme.name)
-
-
-def _mask_set(args: argparse.Namespace) -> MaskSet:
-    """``viasd_mask_set``'s masks: ``--mask-set``, else the pair's set found offline; two or more of them."""
-    source = args.mask_set or (args.target, args.drafter)
-    flag = f"--mask-set {args.mask_set}" if args.mask_set else "--mask-set"
-    try:
-        masks = MaskSet.from_pretrained(source, local_files_only=not args.mask_set)
-    except MALFORMED_MASK_ERRORS as error:  # not found (with where it looked) or malformed
-        raise UsageError(f"{flag}: {first_line(error)}") from None
-    if len(masks.masks) < 2:
-        raise UsageError(f"--mask-set: {source} holds one mask; viasd_mask_set chooses among two or more")
-    return masks
 
 
 def _examples(args: argparse.Namespace) -> list[Example]:
@@ -256,7 +241,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from viasd_hf.bench.traces import CallTracer, decoding_models
 
     names, examples, mask, self_mask = check_bench_args(args)
-    mask_set = _mask_set(args) if "viasd_mask_set" in _bases(names) else None
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.batch_size:
@@ -270,7 +254,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     float32_target = None
     if any(_in_float32(name) for name in names):
         float32_target = load_model(args.target, "float32", "--target")[0]
-    for flag, known in (("--mask", mask), ("--self-draft-mask", self_mask), ("--mask-set", mask_set)):
+    for flag, known in (("--mask", mask), ("--self-draft-mask", self_mask)):
         try:
             if known is not None:
                 known.validate_for(target)
@@ -282,12 +266,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if set(OTHER_TOKENIZER_METHODS) & _bases(names):
         other, other_tokenizer = load_model(args.other_drafter, args.dtype, "--other-drafter")
         other_drafter = (other, tokenizer, other_tokenizer)
-    methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, mask_set, float32_target,
+    methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, float32_target,
                           other_drafter).build(names)
     tracer = CallTracer(args.traces, lambda: decoding_models(target, drafter)) if args.traces else None
     runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature, tracer)
     if drafting_copy(drafter) is not None:  # reported beside --quantize's choices: what our lossless decoders drafted with
-        quantized["drafter, as VIA-SD drafts (drafter_precision='auto')"] = resolve_drafting_form(drafter)
+        quantized["drafter, as VIA-SD drafts (its fastest form here)"] = resolve_drafting_form(drafter)
     weights = {name: _weight_bytes(float32_target if _in_float32(name) else target)
                + (_weight_bytes(drafter) if _bases([name]) & DRAFTER_METHODS else 0)
                + (_weight_bytes(other_drafter[0]) if _bases([name]) & set(OTHER_TOKENIZER_METHODS) else 0)
@@ -303,17 +287,16 @@ def run_bench_command(args: argparse.Namespace) -> int:
     env = environment(machine_bandwidth_gb_s())
     if args.json:  # first, so that nothing printed below can lose the run
         report = _report(args, summary, env, examples, mask, self_mask, runs, tokenizer, quantized)
-        report["masks"]["mask_set"] = mask_set.to_dict() if mask_set else None
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(summary))
     print()
     print("Speed-up over greedy per task:")
     print(per_task_markdown(summary))
-    masks_table = mask_markdown(summary)
-    if masks_table.count("\n") > 1:
-        print("\nPer task: mask chosen (prompts per mask) · slim agreement with the full model · escalation rate:")
-        print(masks_table)
+    slim_table = slim_tier_markdown(summary)
+    if slim_table.count("\n") > 1:
+        print("\nPer task: slim tier's agreement with the full model · escalation rate:")
+        print(slim_table)
     print("\nWhere the time goes (our decoders, from their own timers):")
     print(time_markdown(summary))
     verdicts = verdict_lines(summary)
@@ -346,7 +329,7 @@ def run_batch_sweep_command(args: argparse.Namespace, examples: list[Example], m
             raise UsageError(f"--mask: {first_line(error)}") from None
     settings = MethodSettings(args.gamma, args.draft_threshold, args.cascade_lenience, args.prompt_lookup_tokens,
                               args.drafter_context)
-    config = ViaSDConfig(routing_mask=mask, **settings.drafting())
+    config = ViaSDConfig.paper(mode="lossless", routing_mask=mask, **settings.drafting())
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts = [encode(tokenizer, example.prompt) for example in examples]
     rows = run_batch_sweep(target, drafter, config, prompts, args.batch_size, args.max_new_tokens, pad, args.repeats)

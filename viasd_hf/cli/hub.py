@@ -10,8 +10,8 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from viasd_hf.cli.args import CommandError, UsageError, check_endpoint, check_output_dir, check_repo_id, first_line
 from viasd_hf.hub.files import NO_ANSWER
-from viasd_hf.hub.publish import push_mask, read_pushable
 from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.publish import push_mask, read_pushable
 from viasd_hf.masks.repo import (
     DEFAULT_MASKS_REPO,
     MASK_FILENAME,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from viasd_hf.calibration.vocabulary import DEFAULT_SIZES, build_vocabulary
 from viasd_hf.cli.args import (
     DTYPES,
     check_model,
@@ -14,7 +15,6 @@ from viasd_hf.cli.args import (
     positive_int,
     positive_ints,
 )
-from viasd_hf.vocabulary.build import DEFAULT_SIZES, build_vocabulary
 
 
 def add_vocab_command(subparsers: argparse._SubParsersAction) -> None:

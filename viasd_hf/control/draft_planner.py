@@ -20,7 +20,7 @@ Drafting one more token raises the block's throughput ``E/C`` iff ``P_{k+1}·C(k
 of its last. (The mean acceptance measured at position ``k + 1`` foretells it worse, and feeds on
 itself: a position seldom reached keeps a pessimistic prior, so it stays seldom reached. Replayed
 on recorded Spec-Bench, HumanEval and XSum traces, the last confidence drafts longer and decodes
-4–14 % faster.) So a cheap drafter drafts longer, a confident one too, and a draft the drafter is
+faster: ``bench/studies/draft_stop_rule``.) So a cheap drafter drafts longer, a confident one too, and a draft the drafter is
 unsure of ends the block (HF's confidence stop, with the threshold derived instead of fixed at
 0.4). A batch verifies every row's draft in one pass as wide as the longest, so it sums both sides
 over its rows and drafts one more column only if the rows still drafting gain what the column
@@ -30,7 +30,7 @@ keeps learning; whether a block drafts at all is measured, not planned
 
 Where the costs come from (``PassCosts``): measured on the fly (``MeasuredCosts``: running
 estimates from every block's timings, starting from the static guess), or, where timings must not
-change the output (``ViaSDConfig.tier_switching="fixed"``), from the weights each pass reads
+change the output (``ViaSDConfig.reproducible``), from the weights each pass reads
 (``StaticCosts``): decoding one token is memory-bound, so a pass costs about the bytes it reads.
 Where costs are measured, the planner (costs and calibration) is remembered across calls on the
 model (``memory.draft_planner``), so a short call does not start uncalibrated.
@@ -44,14 +44,14 @@ from typing import Protocol
 
 from torch import nn
 
+from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.faded import FadedMean
 from viasd_hf.control.speculation_switch import SpeculationSwitch
-from viasd_hf.drafters import AssistantDrafter, Drafter, SelfDrafter, model_drafter_of
-from viasd_hf.engine.accept import Draft
+from viasd_hf.control.tier_controller import measures_wall_clock
 from viasd_hf.masks.architectures import decoder_layers
 from viasd_hf.masks.routing_mask import RoutingMask
 
-PER_TOKEN_SHARE = 0.03  # b / a before it is measured: a 6-token pass costs ~1.15x a 1-token pass on CPU
+PER_TOKEN_SHARE = 0.03  # b / a before it is measured: a pass's cost grows little with the tokens it is fed on CPU
 
 
 # Upper edges of the confidence bins. Above 0.9 the scale is logarithmic in 1 − c: on code a drafter is often
@@ -127,16 +127,6 @@ class StaticCosts:
         return cls(drafter=weight_bytes(drafter_model) / target_bytes if drafter_model is not None else 0.0)
 
 
-def static_costs(target: nn.Module, drafter: Drafter) -> StaticCosts:
-    """``StaticCosts`` of whichever model drafts (none for prompt lookup: copying costs nothing)."""
-    model_drafter = model_drafter_of(drafter)
-    if isinstance(model_drafter, SelfDrafter):
-        return StaticCosts.for_drafter(target, None, model_drafter.mask)
-    if isinstance(model_drafter, AssistantDrafter):
-        return StaticCosts.for_drafter(target, model_drafter.model, None)
-    return StaticCosts(drafter=0.0)
-
-
 def weight_bytes(module: nn.Module) -> int:
     return sum(parameter.numel() * parameter.element_size() for parameter in module.parameters())
 
@@ -205,10 +195,6 @@ class DraftPlanner:
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     switch: SpeculationSwitch | None = None
 
-    def keep_drafting(self, confidences: list[float]) -> bool:
-        """Whether a draft whose tokens had ``confidences`` goes on (the module docstring's rule)."""
-        return self.keep_drafting_rows([confidences], [True])
-
     def keep_drafting_rows(self, confidences: list[list[float]], drafting: list[bool]) -> bool:
         """Whether a batch drafts one more column for the rows still ``drafting`` (``confidences``: each row's).
 
@@ -239,17 +225,28 @@ class DraftPlanner:
         next_kept = all_kept * self.acceptance.kept(confidences[-1]) if confidences else 1.0
         return expected, next_kept
 
-    def leaf_threshold(self, confidences: list[float]) -> float:
-        """The least chance of being taken for which a leaf beside this draft (``branching``) is worth its row.
+    def observe(self, confidences: list[float], judged: int, kept: int) -> None:
+        """What the verifiers kept (``kept`` of the ``judged`` first) of a draft a model drew with ``confidences``."""
+        self.acceptance.observe(confidences, judged, kept)
 
-        A leaf adds one token to the verifying pass (``b``) and, when taken, one committed token, so
-        it raises the block's throughput ``E/C`` iff ``chance · C(k) > E(k) · b``."""
-        expected = self._expectation(confidences)[0]
-        drafted, per_token = len(confidences), self.costs.verify_per_token()
-        block_cost = drafted * self.costs.drafter_pass() + self.costs.verify_base() + per_token * (drafted + 1)
-        return expected * per_token / block_cost
 
-    def observe(self, draft: Draft, judged: int, kept: int) -> None:
-        """What the verifiers kept of a model's draft (copied drafts say nothing about the drafter's confidence)."""
-        if draft.tokens and all(probs is not None for probs in draft.probs):
-            self.acceptance.observe(draft.confidences, judged, kept)
+LONGEST_TWO_TIER_DRAFT = 32  # drafts per block when only the full model verifies: a bound, the stop rule decides
+
+
+def new_draft_planner(costs: StaticCosts, config: ViaSDConfig, do_sample: bool) -> DraftPlanner:
+    """Draft lengths planned from measured costs (starting from ``costs``, with the switch to plain decoding) where
+    timings may steer the output, else from ``costs``, the weight sizes."""
+    switch = None
+    if measures_wall_clock(config.reproducible, config.mode == "lossless", do_sample):
+        costs, switch = MeasuredCosts(costs), SpeculationSwitch()
+    return DraftPlanner(costs, longest=max(3 * config.knobs.num_draft_tokens, LONGEST_TWO_TIER_DRAFT), switch=switch)
+
+
+def longest_draft(config: ViaSDConfig, planner: DraftPlanner | None, slim_may_run: bool) -> int:
+    """A block's bound on its drafts: ``num_draft_tokens`` without a planner; with one, short enough for the slim
+    tier where it may verify the block (``3 · num_draft_tokens`` and below ``max_slim_backlog``), else the planner's."""
+    if planner is None:
+        return config.knobs.num_draft_tokens
+    if slim_may_run:
+        return min(3 * config.knobs.num_draft_tokens, config.knobs.max_slim_backlog - 1)
+    return planner.longest

@@ -14,14 +14,13 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Hashable
+from typing import Any
 
 from torch import nn
 
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import DraftPlanner
-from viasd_hf.control.mask_chooser import MaskChooser
 from viasd_hf.control.tier_controller import FixedChoice, TierController, measures_wall_clock, new_controller
-from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.routing_mask import RoutingMask
 
 ATTRIBUTE = "viasd_tier_memory"
@@ -29,13 +28,11 @@ _CREATING = threading.Lock()  # two first calls on one model must not each creat
 
 
 class TierMemory:
-    """The tier controllers that have been measuring one model, one per (mask, drafter, mode, thresholds), the
-    mask choosers of mask sets (``mask_chooser``), one per (set, drafter, mode, thresholds), and the draft
-    planners (``draft_planner``), one per (drafter, config, sampling)."""
+    """The tier controllers that have been measuring one model, one per (mask, drafter, mode, thresholds), and the
+    draft planners (``draft_planner``), one per (drafter, config, sampling)."""
 
     def __init__(self) -> None:
         self._controllers: dict[Hashable, TierController] = {}
-        self._choosers: dict[Hashable, MaskChooser] = {}
         self._planners: dict[Hashable, DraftPlanner] = {}
         self._lock = threading.Lock()  # concurrent generate calls on one model share it
 
@@ -45,13 +42,6 @@ class TierMemory:
             if key not in self._controllers:
                 self._controllers[key] = new_controller(mask, lossless)
             return self._controllers[key]
-
-    def chooser(self, key: Hashable, masks: MaskSet) -> MaskChooser:
-        """The mask chooser remembered under ``key``; a new one, starting with the set's default, the first time."""
-        with self._lock:
-            if key not in self._choosers:
-                self._choosers[key] = MaskChooser(list(masks.masks), masks.default)
-            return self._choosers[key]
 
     def planner(self, key: Hashable, new: Callable[[], DraftPlanner]) -> DraftPlanner:
         """A copy of the planner remembered under ``key`` (``new()`` the first time): each call plans with its own
@@ -72,23 +62,16 @@ class TierMemory:
             return dict(self._controllers)
 
     @property
-    def choosers(self) -> dict[Hashable, MaskChooser]:
-        """A snapshot of the mask choosers remembered, by key."""
-        with self._lock:
-            return dict(self._choosers)
-
-    @property
     def planners(self) -> dict[Hashable, DraftPlanner]:
         """A snapshot of the draft planners remembered, by key."""
         with self._lock:
             return dict(self._planners)
 
     def reset(self) -> None:
-        """Forget every measurement: the next call starts from each mask's offline prediction, each set's default and
-        the draft planner's static costs and uncalibrated confidences."""
+        """Forget every measurement: the next call starts from each mask's offline prediction and the draft planner's
+        static costs and uncalibrated confidences."""
         with self._lock:
             self._controllers.clear()
-            self._choosers.clear()
             self._planners.clear()
 
     def __deepcopy__(self, memo: dict) -> TierMemory:
@@ -113,24 +96,12 @@ def tier_memory(model: nn.Module) -> TierMemory:
 def tier_choice(
     model: nn.Module, mask: RoutingMask, drafter_key: Hashable, config: ViaSDConfig, do_sample: bool
 ) -> TierController | FixedChoice:
-    """What decides, block by block, whether the slim tier runs (``ViaSDConfig.tier_switching``)."""
+    """What decides, block by block, whether the slim tier runs (``ViaSDConfig.reproducible``)."""
     lossless = config.mode == "lossless"
-    if not measures_wall_clock(config.tier_switching, lossless, do_sample):
+    if not measures_wall_clock(config.reproducible, lossless, do_sample):
         return FixedChoice.for_mask(mask, lossless)
-    key = (tuple(mask.kept_layers), drafter_key, config.mode, config.tau_accept, config.tau_escalate)
+    key = (tuple(mask.kept_layers), drafter_key, config.mode, config.knobs.tau_accept, config.knobs.tau_escalate)
     return tier_memory(model).controller(key, mask, lossless)
-
-
-def mask_chooser(
-    model: nn.Module, masks: MaskSet, drafter_key: Hashable, config: ViaSDConfig, do_sample: bool
-) -> MaskChooser:
-    """What chooses among a set's masks: remembered on the model where the slim tier's on/off choice is (measured
-    ``tier_switching``), else new for the call, so that a reproducible call depends on nothing before it."""
-    if not (config.adaptive and measures_wall_clock(config.tier_switching, config.mode == "lossless", do_sample)):
-        return MaskChooser(list(masks.masks), masks.default)
-    layers = tuple(tuple(mask.kept_layers) for mask in masks.masks.values())
-    key = (layers, tuple(masks.masks), drafter_key, config.mode, config.tau_accept, config.tau_escalate)
-    return tier_memory(model).chooser(key, masks)
 
 
 def planner_key(
@@ -140,15 +111,25 @@ def planner_key(
 
     Draft lengths never change lossless greedy output, but they change which tokens a sampling call
     draws and what the slim tier commits, so the planner is remembered exactly where the slim tier's
-    choice is (measured ``tier_switching``): a reproducible call depends on nothing before it.
+    choice is (where timings steer): a reproducible call depends on nothing before it.
     """
-    if not measures_wall_clock(config.tier_switching, config.mode == "lossless", do_sample):
+    if not measures_wall_clock(config.reproducible, config.mode == "lossless", do_sample):
         return None
     slim_layers = tuple(slim_mask.kept_layers) if slim_mask is not None else None
-    return (drafter_key, slim_layers, config.mode, config.num_draft_tokens, config.max_slim_backlog, config.confidence,
-            config.tau_accept, config.tau_escalate, config.cascade_lenience, config.plain_fallback, do_sample)
+    return (drafter_key, slim_layers, config.mode, config.knobs.num_draft_tokens, config.knobs.max_slim_backlog, config.knobs.confidence,
+            config.knobs.tau_accept, config.knobs.tau_escalate, config.knobs.cascade_lenience, do_sample)
 
 
 def draft_planner(model: nn.Module, key: Hashable | None, new: Callable[[], DraftPlanner]) -> DraftPlanner:
     """The planner of a call: a copy of the one remembered under ``key`` (``planner_key``), else ``new()``."""
     return tier_memory(model).planner(key, new) if key is not None else new()
+
+
+def drafter_identity(drafter: Any, drafter_model: nn.Module | None, config: ViaSDConfig) -> tuple:
+    """What tells one drafter's measurements from another's (``drafter``: a batch drafter of ``engine.batch.drafting``):
+    its kind, its model, the layers a self-drafter skips, its draft vocabulary and how much of the prompt an assistant
+    reads."""
+    mask = tuple(drafter.mask.kept_layers) if drafter.mask is not None else None
+    vocabulary = drafter.head.key if drafter.head is not None else None
+    context = config.drafter_context if drafter_model is not None else None
+    return drafter.name, id(drafter_model), mask, vocabulary, context

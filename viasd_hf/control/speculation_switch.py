@@ -2,7 +2,8 @@
 
 Speculation pays when a block's tokens cost less time than as many one-token passes. That fails
 on machines where verifying ``k`` tokens costs about ``k`` one-token passes (bf16 matrix products
-emulated on a CPU without native bf16: a pass over 6 new tokens costs 4.6× a one-token pass), with
+emulated on a CPU without native bf16: a pass over 6 new tokens costs several one-token passes; docs/results.md,
+"AVX2-only hardware"), with
 a drafter that is slow for its acceptance, or on text the drafter cannot predict. None of that can
 be known before decoding on the user's machine, so the decoder measures both regimes and uses the
 faster (``SpeculationSwitch``):
@@ -22,28 +23,25 @@ timings may steer a call (``tier_controller.measures_wall_clock``), remembered w
 
 Before its first draft the drafter must read what it has not read: the prompts, B of them in a batch.
 That read is paid once per call, so it can cost more than speculation saves over the tokens the call
-has left: at B = 8, a 0.5B drafter reading eight 160-token prompts took 4.4 s at bf16 speed (6–7 s
-through its 4-bit kernel), more than speculating then saved over 48 tokens a row (Qwen2.5-Coder
-0.5B → 1.5B, AMD EPYC Zen4, two threads; ``bench/studies/batch_read/study.py``). So a call whose
+has left: at B = 8, a 0.5B drafter reading eight 160-token prompts took longer than speculating then saved over
+48 tokens a row (docs/results.md, "Batches on a Zen4"; ``bench/studies/batch_read/study.py``). So a call whose
 drafter has not read decodes plainly when the read, priced from what earlier reads cost against the
 target's prefill, would not be earned back (``SpeculationSwitch.reading_pays``). So does a single
 sequence whose switch is speculating: on an AVX2-only Zen3, where a bf16 pass over a draft costs about
 what decoding its tokens plainly does, HumanEval calls speculated at parity yet paid the drafter's read
-of a 150-token prompt, 0.96× greedy in all. Every probe of speculation after plain blocks pays such a
+of the prompt, ending below greedy (docs/results.md, "AVX2-only hardware"). Every probe of speculation after plain blocks pays such a
 read too (the tokens decoded since the drafter last drafted), so a probe's expected loss counts the read
-in full: where speculation loses, probes whose read costs seconds come seldom (on an AVX2-only Zen3 with
-bf16 emulated, the demo's probes cost VIA-SD 4 % against greedy while each read was charged only at
-speculation's shortfall).
+in full: where speculation loses, probes whose read costs seconds come seldom.
 
 A speculating batch pays a second cost once per call: its rows accept different numbers of drafts, so
 they finish apart, and the call ends with its slowest rows, later than the full batch's speculative
-pace promised. At B = 8 on GSM8K (AMX Xeon) speculative blocks of the full batch ran 14 % faster than
-plain ones, yet the call ran 0.92x batched greedy: the read and that end cost more than the blocks
-saved. What a call's end lost is measured (``observe_tail``) and priced with the read. It is measured
+pace promised: speculative blocks of the full batch can run faster than plain ones while the call runs
+slower than batched greedy, the read and that end costing more than the blocks saved (docs/results.md,
+"Batches on an AMX Xeon"). What a call's end lost is measured (``observe_tail``) and priced with the read. It is measured
 per row: a block of the rows left commits fewer tokens than a full batch's, in either regime, so only
 the rows' shortfall against the full batch's pace per row counts. Rows that stop early at their EOS
-cost nothing there (Spec-Bench's answers run from 10 to 128 tokens; counted as speculation's loss,
-those short rows kept batches plain where speculating paid 1.5x), nor do a plain call's last rows:
+cost nothing there (counted as speculation's loss, Spec-Bench's short answers kept batches plain where
+speculating paid), nor do a plain call's last rows:
 plain decoding advances every row alike, so its call ends with its longest row, whenever rows stop.
 """
 
@@ -52,11 +50,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.faded import FadedMean
-from viasd_hf.models.machine import emulated_bf16
 
 
 @dataclass
@@ -134,7 +129,7 @@ class SpeculationSwitch:
 
     def observe_prefill(self, seconds_per_token: float) -> None:
         """The target's prefill of a call, per prompt token: what prices the drafter's read before the target has read
-        the prompt (a single sequence's drafter reads before the target's first pass)."""
+        the prompt (where the first block carries the prompts, the drafter reads before the target's first pass)."""
         self.prefill.observe(seconds_per_token, self.decay)
 
     def reading_cost(self, prefill_seconds_per_token: float, tokens: int) -> float | None:
@@ -220,8 +215,8 @@ class DrafterRead:
     """A call's drafter reading what it has not read before its first draft, priced for the switch.
 
     The read is priced against the target's prefill (seconds per token the target reads): this call's once the target
-    has read the prompt, else the faded mean of earlier calls' (a single sequence's drafter reads before the target's
-    first pass). ``pays`` says whether a read of ``tokens`` is worth it with ``left`` tokens to decode
+    has read the prompt, else the faded mean of earlier calls' (where the first block carries the prompts, the drafter reads
+    before the target's first pass). ``pays`` says whether a read of ``tokens`` is worth it with ``left`` tokens to decode
     (``SpeculationSwitch.reading_pays``) and, the first time it is not, why (``verdict``). Without a switch (timings
     may not steer) every read pays."""
 
@@ -257,7 +252,7 @@ class DrafterRead:
             return True
         if self.verdict is None:
             tail = self.switch.tail_cost()
-            apart = f" and rows finishing apart would lose about {tail:.1f} s more" if tail else ""
+            apart = f" and rows finishing apart would lose about {tail:.1f} s more" if tail >= 0.05 else ""
             self.verdict = (f"plain decoding: the drafter would first read {tokens} tokens (about {read:.1f} s){apart}, "
                             f"more than speculating can save over the {left} tokens left ({self.switch.describe()})")
         return False
@@ -269,20 +264,21 @@ class DrafterRead:
             self.unpriced = None
 
 
-# a 6-token pass costing this many one-token passes or more is what emulated bf16 does (about 4.6x measured on an
-# AVX2-only CPU); a native kernel verifies 6 tokens for about the price of one
+# a 6-token pass costing this many one-token passes or more is what emulated bf16 does (docs/results.md, "AVX2-only
+# hardware"); a native kernel verifies 6 tokens for about the price of one
 EMULATED_VERIFY_RATIO = 2.0
 
 
-def fallback_advice(model: torch.nn.Module, verify_ratio: float | None) -> str:
+def fallback_advice(verify_ratio: float | None, emulated_bf16: bool) -> str:
     """What to tell a user whose decoding fell back to plain: the measured cost of verifying, and what to change.
 
     ``verify_ratio``: what a pass over 6 new tokens costs relative to a one-token pass, as measured. Emulated
-    bf16 is blamed only where verifying was measured to cost several one-token passes (or was not measured)."""
+    bf16 (``emulated_bf16``: a bf16 model on a CPU without native bf16) is blamed only where verifying was measured
+    to cost several one-token passes (or was not measured)."""
     measured = f"; a pass over 6 new tokens costs {verify_ratio:.1f}x a one-token pass here" if verify_ratio else ""
     advice = "a cheaper or better-matched drafter may let speculation pay"
     costly_verify = verify_ratio is None or verify_ratio >= EMULATED_VERIFY_RATIO
-    if emulated_bf16(model) and costly_verify:
+    if emulated_bf16 and costly_verify:
         advice = ("this CPU has no native bf16, so bf16 matrix products are emulated and verifying k tokens costs about "
                   "k one-token passes: a float32 target verifies several tokens for little more than one, but its "
                   "one-token passes are slower (`viasd profile --target NAME --precision` shows both here); plain bf16 "

@@ -33,9 +33,9 @@ switch to the slim tier a clear margin as well: two-tier decoding is the safe ch
 Timings make runs differ. Whether the slim tier runs changes the output in tiered mode (tokens it
 commits are its own) and when sampling (it changes the proposal the full model verifies and which
 random numbers are drawn); only lossless greedy output is the full model's own whatever it does.
-So ``ViaSDConfig.tier_switching`` chooses: ``"measured"`` (this controller), ``"fixed"``
-(``FixedChoice``: its starting choice, kept for the whole call, so seeded calls are reproducible),
-or ``"auto"``: measured exactly where the choice cannot change the output.
+So ``ViaSDConfig.reproducible`` chooses: ``False``, this controller; ``True``, ``FixedChoice`` (its starting
+choice, kept for the whole call, so seeded calls are reproducible); ``None``, the controller exactly where the
+choice cannot change the output.
 """
 
 from __future__ import annotations
@@ -181,20 +181,21 @@ def starts_with_slim_tier(mask: RoutingMask, lossless: bool) -> bool:
     return not lossless and predicted_to_pay(mask)
 
 
-def measures_wall_clock(tier_switching: str, lossless: bool, do_sample: bool) -> bool:
-    """Whether the slim tier's on/off choice goes to the wall-clock controller (else to ``FixedChoice``).
+def measures_wall_clock(reproducible: bool | None, lossless: bool, do_sample: bool) -> bool:
+    """Whether timings steer a call's choices (``ViaSDConfig.reproducible``): the slim tier's (else ``FixedChoice``),
+    the draft planner's costs, plain decoding, the attention kernel and the drafter's precision.
 
-    ``"auto"`` hands it over only in lossless greedy decoding: there the full model's argmax picks
-    every token, so the choice changes the speed but not the output.
+    ``None`` lets them only in lossless greedy decoding: there the full model's argmax picks every token, so the
+    choices change the speed but not the output.
     """
-    if tier_switching == "auto":
+    if reproducible is None:
         return lossless and not do_sample
-    return tier_switching == "measured"
+    return not reproducible
 
 
 @dataclass
 class FixedChoice:
-    """``tier_switching="fixed"``: the slim tier runs on every block or on none, as a new controller would start.
+    """Where timings may not steer (``measures_wall_clock``): the slim tier runs on every block or on none, as a new controller would start.
 
     That is the mask's offline prediction in tiered mode and off in lossless mode (see
     ``new_controller``), decided from the mask alone, so neither timings nor earlier calls can
@@ -216,7 +217,7 @@ class FixedChoice:
 
     def verdict(self) -> str:
         why = "the mask's offline prediction" if self.slim_on else "lossless mode or the mask's offline prediction"
-        return f"{'on' if self.slim_on else 'off'}: fixed for the call by {why} (tier_switching='fixed')"
+        return f"{'on' if self.slim_on else 'off'}: fixed for the call by {why} (timings may not steer this call)"
 
     def observe(self, block: BlockCost) -> None:
         """Nothing measured changes a fixed choice."""

@@ -1,34 +1,34 @@
 """An assistant model drafting in the fastest form measured on this machine, where that cannot change the output.
 
-In lossless greedy decoding every committed token is the target's own choice, so the drafter's
-precision changes only how fast drafts come and how many the target keeps. A drafter loaded in
-float32 on a CPU with native bf16, or in bf16 on one without, drafts slower than it could; so may an
-unquantised drafter where a 4-bit kernel runs its passes in half the time. With
-``ViaSDConfig.drafter_precision="auto"`` VIA-SD drafts with a copy in the form measured fastest here:
-unquantised (fp32, bf16, or fp16 where the CPU computes in it) or quantised (the schemes of
-:mod:`viasd_hf.models.quantization` that transformers loads and whose library is installed, made from
-the drafter saved once to a temporary folder), measured by :func:`viasd_hf.models.quantization.choice.resolve_drafting_form` once
-per architecture and machine (about a minute for a 0.5B model), then read from the cache. One copy
-per drafter is kept while the drafter lives, so the conversion is paid once and later calls reuse it;
-a drafter whose weights change afterwards keeps its first copy, so pass ``"as_loaded"`` for one that
-is still being trained. The user's model is never changed. Tiered mode, sampling and ``"as_loaded"``
-draft with the model as given: there the drafter's distribution shapes the output. A quantised copy reads
-prompts, and any pass over as many tokens as its twin was measured faster from, through that twin with the
-same weights dequantised (``drafting_reader``, :mod:`viasd_hf.models.quantization.reader`), made with the copy.
-So does a drafter its user quantised (a torchao model, or a bitsandbytes one before its first pass): it drafts
-as it is, and its twin, made on its first call, reads. A 4-bit kernel reading a long prompt is what made such a
-drafter slower than greedy on Spec-Bench's RAG prompts (docs/results.md). The twin costs the dequantised weights'
-memory; ``"as_loaded"`` keeps the drafter alone.
+In lossless greedy decoding every committed token is the target's own choice, so the drafter's precision changes
+only how fast drafts come and how many the target keeps. A drafter loaded in float32 on a CPU with native bf16, or
+in bf16 on one without, drafts slower than it could; so may an unquantised drafter where a 4-bit kernel runs its
+passes faster (docs/quantization.md). Wherever timings may steer (``ViaSDConfig.reproducible``, by default lossless
+greedy decoding) VIA-SD drafts with a copy in the form measured fastest here: unquantised (fp32, bf16, or fp16 where
+the CPU computes in it) or quantised (the schemes of :mod:`viasd_hf.models.quantization` that transformers loads and
+whose library is installed, made from the drafter saved once to a temporary folder), measured by
+:func:`viasd_hf.models.quantization.choice.resolve_drafting_form` once per architecture and machine, then read from
+the cache. One copy per drafter is kept while the drafter lives, so the conversion is paid once and later calls
+reuse it; a drafter whose weights change afterwards keeps its first copy, so pass ``reproducible=True`` for one that
+is still being trained. The user's model is never changed. Where timings may not steer (by default tiered mode and
+sampling, where the drafter's distribution shapes the output; everywhere with ``reproducible=True``) the model
+drafts as given. A quantised copy reads prompts, and any pass over as many tokens as its twin was measured faster
+from, through that twin with the same weights dequantised (``drafting_reader``,
+:mod:`viasd_hf.models.quantization.reader`), made with the copy. So does a drafter its user quantised (a torchao
+model, or a bitsandbytes one before its first pass): it drafts as it is, and its twin, made on its first call,
+reads. A 4-bit kernel reading a long prompt is what made such a drafter slower than greedy on Spec-Bench's RAG
+prompts (docs/results.md). The twin costs the dequantised weights' memory; ``reproducible=True`` keeps the drafter
+alone.
 """
 from __future__ import annotations
 
 import threading
-import weakref
 
 from torch import nn
 
 from viasd_hf.config import ViaSDConfig
-from viasd_hf.drafters.model import Reader
+from viasd_hf.control.tier_controller import measures_wall_clock
+from viasd_hf.engine.batch.model_drafts import Reader
 from viasd_hf.extras import quietly as _quietly
 from viasd_hf.models.quantization import UNQUANTIZED
 from viasd_hf.models.quantization.choice import resolve_drafting_form
@@ -36,14 +36,39 @@ from viasd_hf.models.quantization.measure import converted
 from viasd_hf.models.quantization.reader import dequantized_twin, fewest_tokens_for_twin
 from viasd_hf.models.quantization.schemes import Scheme
 
-_COPIES: weakref.WeakKeyDictionary[nn.Module, nn.Module | None] = weakref.WeakKeyDictionary()  # None: drafts as is
-_READERS: weakref.WeakKeyDictionary[nn.Module, Reader] = weakref.WeakKeyDictionary()  # a copy's twin, measured
+ATTRIBUTE = "viasd_drafting_form"  # where a model keeps what was made of it for drafting (``DraftingForm``)
 _LOCK = threading.Lock()
+_NOT_YET = object()
+
+
+class DraftingForm:
+    """What ``fastest_form`` made of one model, kept on that model (``model.viasd_drafting_form``, beside its other
+    attributes, not a submodule): its drafting ``copy`` (``None``: it drafts as it is), and, for a model that drafts,
+    its ``reader``. A copy or a pickle of the model starts without it: what was measured describes this model object
+    on this machine."""
+
+    def __init__(self) -> None:
+        self.copy: nn.Module | None | object = _NOT_YET
+        self.reader: Reader | None = None
+
+    def __deepcopy__(self, memo: dict) -> DraftingForm:
+        return DraftingForm()
+
+    def __reduce__(self) -> tuple:
+        return DraftingForm, ()
+
+
+def _form_of(model: nn.Module) -> DraftingForm:
+    """``model``'s ``DraftingForm``, made on first use (under ``_LOCK``)."""
+    form = model.__dict__.get(ATTRIBUTE)
+    if form is None:
+        form = model.__dict__[ATTRIBUTE] = DraftingForm()
+    return form
 
 
 def drafter_for_call(drafter: nn.Module | None, config: ViaSDConfig, do_sample: bool) -> nn.Module | None:
     """The model that drafts for this call: the drafter's fastest form where its precision cannot change the output."""
-    if drafter is None or config.drafter_precision == "as_loaded" or config.mode != "lossless" or do_sample:
+    if drafter is None or not measures_wall_clock(config.reproducible, config.mode == "lossless", do_sample):
         return drafter
     return fastest_form(drafter)
 
@@ -61,15 +86,16 @@ def fastest_form(drafter: nn.Module) -> nn.Module:
     """The drafter's copy in its fastest form on this machine, made on its first call; the drafter itself when it
     is in that form already or cannot be converted. Calls wait for one another, so one copy is made."""
     with _LOCK, _quietly():
-        if drafter not in _COPIES:
+        kept = _form_of(drafter)
+        if kept.copy is _NOT_YET:
             form = resolve_drafting_form(drafter, progress=False).scheme if convertible(drafter) else None
             made = None if form is None or in_form(drafter, form) else converted(drafter, form)
             drafting = drafter if made is None else made  # a drafter quantised by its user drafts as it is
             twin = dequantized_twin(drafting)  # before a first pass packs a bitsandbytes model's weights
             if twin is not None:
-                _READERS[drafting] = Reader(twin, fewest_tokens_for_twin(drafting, twin))
-            _COPIES[drafter] = made
-        copy = _COPIES[drafter]
+                _form_of(drafting).reader = Reader(twin, fewest_tokens_for_twin(drafting, twin))
+            kept.copy = made
+        copy = kept.copy
     return drafter if copy is None else copy
 
 
@@ -83,7 +109,8 @@ def drafting_reader(model: nn.Module) -> Reader | None:
     dequantised) and the fewest tokens it runs faster, as measured when it was made (``fewest_tokens_for_twin``);
     None for any other model."""
     with _LOCK:
-        return _READERS.get(model)
+        form = model.__dict__.get(ATTRIBUTE)
+        return form.reader if form is not None else None
 
 
 def prompt_reader(model: nn.Module) -> nn.Module | None:
@@ -96,4 +123,5 @@ def drafting_copy(drafter: nn.Module) -> nn.Module | None:
     """The copy :func:`fastest_form` made of ``drafter``; None where it made none (not called yet, or the drafter
     drafts as it is)."""
     with _LOCK:
-        return _COPIES.get(drafter)
+        form = drafter.__dict__.get(ATTRIBUTE)
+        return None if form is None or form.copy is _NOT_YET else form.copy

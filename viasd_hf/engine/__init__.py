@@ -1,1 +1,2 @@
-"""The decode loop and what it is made of: block policies, acceptance, the verifier, state and KV cache, sampling, stats."""
+"""Verification and the decode loop: block policies, decisions, acceptance, sampling, stats, the KV cache, attention;
+``batch``, the one decode loop for every batch size."""

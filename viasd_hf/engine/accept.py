@@ -24,20 +24,22 @@ from typing import Protocol
 
 import torch
 
-from viasd_hf.engine.branching import RunnerUp
 from viasd_hf.engine.sampling import RandomStream, cascade_target, one_hot, rejection_step, sample
 
 
 @dataclass
 class Draft:
-    """Proposed tokens, the processed distribution each was drawn from (``None`` when not drawn from a model),
-    the drafter's forward passes that made them, and the drafter's second choice worth verifying beside them
-    (``branching``; greedy model drafts only)."""
+    """Proposed tokens, the processed distribution each was drawn from (``None`` when not drawn from a model), and
+    the drafter's forward passes that made them."""
 
     tokens: list[int]
     probs: list[torch.Tensor | None]
     forwards: int = 0
-    runner_up: RunnerUp | None = None
+
+    @property
+    def drawn(self) -> bool:
+        """Whether a model drew every token (a copied draft says nothing about a drafter's confidence)."""
+        return bool(self.tokens) and all(probs is not None for probs in self.probs)
 
     @property
     def confidences(self) -> list[float]:

@@ -3,28 +3,34 @@ SDPA over grouped queries.
 
 PyTorch's CPU SDPA kernel is built for long query blocks. For the 1–30 query rows of a drafting or
 verifying pass over a long KV cache it can be far slower than the plain matmul–softmax–matmul of
-the model's own eager attention: one pass of the 4-bit Qwen2.5-Coder 0.5B drafter over 1,000 cached
-tokens took 52 ms with SDPA and 27 ms with eager attention (AMD EPYC, one thread), and drafting and
-verifying are nearly all such passes.
+the model's own eager attention, and drafting and verifying are nearly all such passes (timings:
+``bench/studies/attention_kernel``, and docs/results.md).
 
 Where query heads share key/value heads (grouped-query attention) and a pass has a mask and several
 query rows (every verifying pass, and every pass over a padded batch), transformers copies each
 key/value head once per query head that reads it (``repeat_kv``) before either kernel runs: the whole
 cache, copied in every layer of every pass. The third kernel (``_grouped_sdpa``) folds the query
 heads that share a key/value head into that head's query rows, so SDPA reads the cache as it is:
-the same sums, none of the copies. A pass of Qwen2.5-Coder 1.5B (12 query heads, 2 key/value heads,
-bf16) over 4 tokens a row, 4 rows of 750 cached tokens, took 236 ms with it against 272 ms with SDPA
-(Intel Xeon with AMX, two threads; ``bench/studies/attention_kernel``).
+the same sums, none of the copies (timings: ``bench/studies/attention_kernel``, and docs/results.md,
+"Batches: grouped-query attention").
 
 Which kernel wins depends on the CPU, dtype and shapes, so it is measured, not assumed: the first
 call of each shape bucket (``Bucket``) runs every kernel that computes the call on its real inputs
 and the fastest one is remembered for the process (``kernel_choices``), as
 ``torch.backends.cudnn.benchmark`` does on GPUs.
 
-Only calls made inside ``fastest_attention()`` are steered, and only on CPU, on models configured
-for SDPA; everything else (plain ``generate`` in another thread included) runs SDPA exactly as
-before. The steering function replaces ``ALL_ATTENTION_FUNCTIONS["sdpa"]`` only while some call is
-inside the context (reference counted), so outside them transformers is as it was.
+How calls are steered, replacing nothing of transformers': the steering function is registered once,
+at import, under an attention implementation name of its own (``STEERED``, through transformers'
+public ``AttentionInterface.register``, and ``AttentionMaskInterface.register`` so that masks are made
+for it as for SDPA): new keys, added beside transformers' own, which stay as they are. A call inside
+``fastest_attention(models)`` switches each of its models' configs (the top config, its sub-configs,
+any submodel's own) that is configured for ``"sdpa"`` to ``STEERED``, and the last concurrent call
+on a config switches it back to ``"sdpa"`` when it returns, after an exception too. Only calls made
+inside the context (this thread or task: a ``ContextVar``) are steered, and only on CPU; the steering
+function runs plain SDPA for every other call, so plain ``generate`` in another thread on a model
+that a steered call has switched computes exactly what it computes unswitched. A model whose code
+reads the implementation's name other than through ``ALL_ATTENTION_FUNCTIONS`` (it compares it with
+``"sdpa"``, or keeps an ``AttentionInterface`` of its own) is not switched, nor is one off the CPU.
 
 Both kernels compute the same attention; they round differently (in bf16 visibly), so the choice
 is left to measurement only where timings may steer the output (``tier_controller.measures_wall_clock``).
@@ -32,25 +38,35 @@ is left to measurement only where timings may steer the output (``tier_controlle
 
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import cache
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+STEERED = "viasd_fastest"  # the attention implementation a steered call's models run: SDPA, or a kernel measured faster
 LONGEST_QUERY = 64  # query rows beyond this are a prefill: SDPA's own ground
 TIMED_RUNS = 3  # runs of each kernel, interleaved, when a bucket is first met; the fastest run counts
 
 _STEERED: ContextVar[bool] = ContextVar("viasd_fastest_attention", default=False)
 _LOCK = threading.Lock()
-_installed: dict[str, Any] = {"users": 0, "sdpa": None}
+_switched: dict[int, list] = {}  # id(config) -> [config, calls inside the context that use it], while switched
 _choices: dict[Bucket, str] = {}
+# code that tells SDPA from other implementations by name, and a module's own attention class
+_COMPARES_WITH_SDPA = re.compile(
+    r"""(==|!=)\s*["']sdpa["']|["']sdpa["']\s*(==|!=|\bin\b)|\bin\s*[(\[{][^)\]}]*["']sdpa["']""")
+_ATTENTION_CLASS = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
 _LAST_ADDITIVE: ContextVar[tuple[torch.Tensor, int, torch.dtype, torch.Tensor] | None] = ContextVar(
     "viasd_last_additive_mask", default=None)  # every layer of a pass gets the same boolean mask: convert it once
 
@@ -89,45 +105,144 @@ def forget_kernel_choices() -> None:
 
 
 @contextmanager
-def fastest_attention(enabled: bool = True) -> Iterator[None]:
-    """Within this context (this thread or task only), short-query attention runs the kernel measured faster."""
+def fastest_attention(models: Iterable[nn.Module | None], enabled: bool = True) -> Iterator[None]:
+    """Within this context (this thread or task only), short-query attention of ``models`` (``None`` entries and
+    repeats are ignored) runs the kernel measured fastest; each model's attention implementation is as it was after
+    it, also after an exception."""
     if not enabled:
         yield
         return
-    _install()
+    configs = _switch(models)
     token = _STEERED.set(True)
     try:
         yield
     finally:
         _STEERED.reset(token)
-        _uninstall()
+        _switch_back(configs)
 
 
-def _install() -> None:
+def _switch(models: Iterable[nn.Module | None]) -> list[PretrainedConfig]:
+    """Switch the SDPA configs of ``models`` that may be steered to ``STEERED`` (those another call switched stay so,
+    one more call counted on them); the configs counted."""
+    steerable = {id(config): config
+                 for model in _distinct(models) if _may_steer(model) for config in _configs_of(model)}
+    counted = []
     with _LOCK:
-        if _installed["users"] == 0:
-            _installed["sdpa"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
-            ALL_ATTENTION_FUNCTIONS["sdpa"] = _steered_sdpa
-        _installed["users"] += 1
+        try:
+            for config in steerable.values():
+                entry = _switched.get(id(config))
+                if entry is not None:
+                    entry[1] += 1
+                elif config._attn_implementation == "sdpa":
+                    _set_own_implementation(config, STEERED)
+                    _switched[id(config)] = [config, 1]
+                else:
+                    continue
+                counted.append(config)
+        except BaseException:
+            _release(counted)
+            raise
+    return counted
 
 
-def _uninstall() -> None:
+def _switch_back(configs: list[PretrainedConfig]) -> None:
     with _LOCK:
-        _installed["users"] -= 1
-        if _installed["users"] == 0:
-            del ALL_ATTENTION_FUNCTIONS["sdpa"]  # our override; beneath it, transformers' own or an earlier override
-            if ALL_ATTENTION_FUNCTIONS["sdpa"] is not _installed["sdpa"]:
-                ALL_ATTENTION_FUNCTIONS["sdpa"] = _installed["sdpa"]
+        _release(configs)
+
+
+def _release(configs: list[PretrainedConfig]) -> None:
+    """One call fewer on each of ``configs`` (under ``_LOCK``): the last one back to SDPA, unless something else set
+    another implementation meanwhile."""
+    for config in configs:
+        entry = _switched[id(config)]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _switched[id(config)]
+            if config._attn_implementation == STEERED:
+                _set_own_implementation(config, "sdpa")
+
+
+def _distinct(models: Iterable[nn.Module | None]) -> list[nn.Module]:
+    distinct: dict[int, nn.Module] = {}
+    for model in models:
+        if isinstance(model, nn.Module):
+            distinct.setdefault(id(model), model)
+    return list(distinct.values())
+
+
+def _configs_of(model: nn.Module) -> list[PretrainedConfig]:
+    """Every config the modules of ``model`` may read their attention implementation from: each module's own (a
+    submodel may hold a copy) and the sub-configs of each (a composite model's ``text_config``...), at any depth."""
+    found: dict[int, PretrainedConfig] = {}
+    pending = [getattr(module, "config", None) for module in model.modules()]
+    while pending:
+        config = pending.pop()
+        if isinstance(config, PretrainedConfig) and id(config) not in found:
+            found[id(config)] = config
+            pending.extend(getattr(config, key, None) for key in config.sub_configs)
+    return list(found.values())
+
+
+def _implementations(config: PretrainedConfig) -> dict[str, Any]:
+    """The attention implementation of ``config`` and of its sub-configs, nested, as ``_attn_implementation`` takes
+    them."""
+    tree: dict[str, Any] = {"": config._attn_implementation}
+    for key in config.sub_configs:
+        sub = getattr(config, key, None)
+        if isinstance(sub, PretrainedConfig):
+            tree[key] = _implementations(sub)
+    return tree
+
+
+def _set_own_implementation(config: PretrainedConfig, implementation: str) -> None:
+    """``config``'s own attention implementation, its sub-configs' as they are (the setter passes a name on to every
+    sub-config, and a nested dict to each its own)."""
+    config._attn_implementation = {**_implementations(config), "": implementation}
+
+
+def _may_steer(model: nn.Module) -> bool:
+    """Whether ``model`` is on the CPU and its code finds its attention by the implementation's name in
+    ``ALL_ATTENTION_FUNCTIONS`` only, so that ``STEERED`` computes for it what ``"sdpa"`` computes."""
+    device = getattr(model, "device", None)
+    if not isinstance(device, torch.device) or device.type != "cpu":
+        return False
+    return all(_reads_implementation_by_interface(name) for name in
+               {type(module).__module__ for module in model.modules()} if not name.startswith("torch."))
+
+
+@cache
+def _reads_implementation_by_interface(module_name: str) -> bool:
+    """Whether the code of ``module_name`` finds attention by the implementation's name through the global
+    ``ALL_ATTENTION_FUNCTIONS`` only: it compares nothing with ``"sdpa"`` (as ``config._attn_implementation in
+    ("eager", "sdpa")`` does), keeps no ``AttentionInterface`` of its own (whose own entries are not ours), and its
+    attention classes, if any, dispatch through the interface. Code that cannot be read: no."""
+    try:
+        source = inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return False
+    if "AttentionInterface()" in source or _COMPARES_WITH_SDPA.search(source):
+        return False
+    return not _ATTENTION_CLASS.search(source) or "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def _sdpa(*args: Any, **kwargs: Any) -> Any:
+    """Plain SDPA: whatever ``ALL_ATTENTION_FUNCTIONS`` holds under ``"sdpa"`` now (transformers' own, or a user's)."""
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+
+
+def _sdpa_mask(*args: Any, **kwargs: Any) -> Any:
+    """SDPA's attention mask, made for ``STEERED`` models: whatever ``ALL_MASK_ATTENTION_FUNCTIONS`` holds under
+    ``"sdpa"``."""
+    return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
 
 
 def _steered_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """SDPA, unless this call is steered and another kernel that computes it is measured faster for its bucket."""
-    sdpa = _installed["sdpa"]
     kernels = _kernels(module, query, key, value, attention_mask, args, kwargs) if _STEERED.get() else {}
     if not kernels:
-        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
-    kernels["sdpa"] = lambda: sdpa(module, query, key, value, attention_mask, **kwargs)
+        return _sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+    kernels["sdpa"] = lambda: _sdpa(module, query, key, value, attention_mask, **kwargs)
     bucket = Bucket.of(module, query, key)
     with _LOCK:
         choice = _choices.get(bucket)
@@ -137,6 +252,10 @@ def _steered_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
             _choices.setdefault(bucket, choice)
         return output
     return kernels[choice]()
+
+
+AttentionInterface.register(STEERED, _steered_sdpa)  # new keys beside transformers' own, which stay as they are
+AttentionMaskInterface.register(STEERED, _sdpa_mask)
 
 
 def _kernels(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -45,9 +45,9 @@ def decide(unscaled: torch.Tensor, token: int, config: ViaSDConfig) -> Decision:
 
     ``unscaled`` comes from ``allowed_unscaled``: a forbidden token scores 0 and is escalated.
     """
-    score = confidence(unscaled, token, config.confidence)
-    if score > config.tau_accept:
+    score = confidence(unscaled, token, config.knobs.confidence)
+    if score > config.knobs.tau_accept:
         return Decision.ACCEPT
-    if score > config.tau_escalate:
+    if score > config.knobs.tau_escalate:
         return Decision.REGENERATE
     return Decision.ESCALATE

@@ -19,9 +19,7 @@ class ViaSDStats:
     With ``adaptive=True``, ``slim_on_blocks`` / ``slim_off_blocks`` say how often the slim tier
     was active, ``slim_shadow_blocks`` how many of the off blocks probed it in shadow (its pass ran,
     the full model decided), ``tier_switches`` when and why the controller switched it, and ``slim_tier_verdict``
-    where it stood at the end of the call and why. With a mask set,
-    ``mask_choice`` names the mask chosen and why, with every mask's agreement with the full model
-    and escalation rate (``MaskChooser.report``). Where speculation did not pay, ``plain_blocks`` counts
+    where it stood at the end of the call and why. Where speculation did not pay, ``plain_blocks`` counts
     the blocks decoded one token at a time without a draft, ``speculation_switches`` when and why the
     decoder switched between the two, and ``speculation_verdict`` where it stood at the end (``speculation_switch``).
 
@@ -42,8 +40,6 @@ class ViaSDStats:
     escalated_tokens: int = 0
     escalated_blocks: int = 0
     catch_up_blocks: int = 0
-    runner_up_blocks: int = 0  # full passes that verified the drafter's runner-up beside the draft (``branching``)
-    runner_up_tokens: int = 0  # ... and committed it: one token more than the draft alone would have given
     slim_tokens: int = 0
     full_tokens: int = 0
     slim_committed_tokens: int = 0
@@ -56,14 +52,13 @@ class ViaSDStats:
     slim_shadow_blocks: int = 0
     tier_switches: list[dict] = field(default_factory=list)
     slim_tier_verdict: str | None = None
-    mask_choice: dict[str, Any] | None = None
     plain_blocks: int = 0  # blocks decoded without a draft, one token each: speculation did not pay (``speculation_switch``)
     speculation_switches: list[dict] = field(default_factory=list)
     speculation_verdict: str | None = None
     full_forwards: int = 0
-    prefill_forwards: int = 0  # 0 where the first block's full pass carried the prompt (``ViaSDDecoder.open``)
+    prefill_forwards: int = 0  # 0 where the first block's full pass carried the prompt (``BatchedDecoder.open``)
     slim_forwards: int = 0
-    drafter_forwards: int = 0  # its prefill included, which gives an assistant's first draft token
+    drafter_forwards: int = 0  # its reads of the prompt included
     drafted_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=lambda: {"drafter": 0.0, "slim": 0.0, "full": 0.0, "total": 0.0})
@@ -78,7 +73,6 @@ class ViaSDStats:
         self.blocks += 1
         self.drafted_tokens += drafted
         self.catch_up_blocks += int(catch_up)
-        self.runner_up_tokens += int(block.runner_up_taken)
         for position in range(block.judged):
             self.record_position(position, position < block.kept)
         self.accepted_tokens += block.kept

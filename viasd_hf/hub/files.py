@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,12 @@ DEFAULT_LOOKUP_TIMEOUT_S = 3.0
 # What the Hub client raises when a file cannot be had: missing repo, revision or file,
 # offline without a cached copy, an unreachable Hub, or a string that is no repo id.
 HUB_MISSES = (HfHubHTTPError, EntryNotFoundError, OfflineModeIsEnabled, HFValidationError)
+
+
+def viasd_home() -> Path:
+    """viasd_hf's own cache root (built-in models, measurements, calibration windows): ``$VIASD_HOME``, else
+    ``~/.cache/viasd_hf``."""
+    return Path(os.environ.get("VIASD_HOME") or Path.home() / ".cache" / "viasd_hf").expanduser()
 
 
 def _request_errors() -> tuple[type[BaseException], ...]:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from viasd_hf.models.per_model_cache import PerModelCache
+from viasd_hf.masks.per_model_cache import PerModelCache
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 

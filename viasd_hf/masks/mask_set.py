@@ -28,7 +28,7 @@ from huggingface_hub import CommitInfo, CommitOperation, CommitOperationAdd, Com
 from torch import nn
 
 from viasd_hf.hub.files import HUB_MISSES, Lookup, NotFoundError, commit, fetch, in_folder
-from viasd_hf.hub.mask_card import CARD_FILENAME, render_model_card
+from viasd_hf.masks.card import CARD_FILENAME, render_model_card
 from viasd_hf.masks.repo import (
     MASK_FILENAME,
     MASK_SET_FILENAME,

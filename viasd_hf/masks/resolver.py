@@ -4,7 +4,7 @@ A mask comes as a ``RoutingMask`` or ``MaskSet``, as a local path or Hub id, or,
 ``ViaSDConfig(routing_mask=None)`` (the default), by the model pair: the user cache, the masks
 repo on the Hub, then the masks shipped in ``hub_masks/`` (``viasd_hf.masks.repo``). Reading a
 path or asking the Hub costs time, so what a (model, drafter, spec) resolves to is kept for that
-model (``viasd_hf.models.per_model_cache``); a failed lookup raises and is tried again by the next
+model (``viasd_hf.masks.per_model_cache``); a failed lookup raises and is tried again by the next
 call. :func:`clear_mask_cache` forgets them (after publishing a new mask, say).
 """
 
@@ -20,10 +20,10 @@ from torch import nn
 
 from viasd_hf.masks.architectures import model_config
 from viasd_hf.masks.mask_set import MaskSet
+from viasd_hf.masks.per_model_cache import PerModelCache
 from viasd_hf.masks.repo import default_masks_repo, search_command
 from viasd_hf.masks.routing_mask import MaskNotFoundError, RoutingMask
 from viasd_hf.masks.rules import SELF_DRAFT_SKIP_RATIO, rule_mask
-from viasd_hf.models.per_model_cache import PerModelCache
 
 logger = logging.getLogger("viasd_hf")
 

@@ -19,9 +19,9 @@ from huggingface_hub import CommitInfo, CommitOperation, CommitOperationAdd, Com
 from torch import nn
 
 from viasd_hf.hub.files import Lookup, NotFoundError, commit
-from viasd_hf.hub.mask_card import CARD_FILENAME, card_row, render_model_card
 from viasd_hf.hub.mixin import HubMixin
 from viasd_hf.masks.architectures import config_fingerprint, model_config, num_decoder_layers, protected_layers
+from viasd_hf.masks.card import CARD_FILENAME, card_row, render_model_card
 from viasd_hf.masks.repo import (
     HOW_TO_GET_A_MASK,
     MASK_FILENAME,

@@ -36,8 +36,8 @@ def load_pretrained(
 
     ``dtype`` defaults to float32 (CPU-friendly and exact for the dequantized zoo
     weights), or to the quantization scheme's own dtype; ``"auto"`` is float32 or
-    bfloat16, whichever this machine runs the model faster in (measured once, about a
-    minute, then cached: :func:`viasd_hf.models.quantization.resolve_dtype`); ``quantization`` names a
+    bfloat16, whichever this machine runs the model faster in (measured once, then cached:
+    :func:`viasd_hf.models.quantization.resolve_dtype`; docs/quantization.md); ``quantization`` names a
     scheme of :mod:`viasd_hf.models.quantization` (e.g. ``"bnb-4bit"``), an alias
     (``"int8"``, ``"4bit"``) or ``"auto"`` (the fastest scheme measured on this
     machine whose agreement with the unquantised model is acceptable; with ``draft_for``, the

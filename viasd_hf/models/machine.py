@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from viasd_hf.models.zoo import viasd_home
+from viasd_hf.hub.files import viasd_home
 
 _CPU_FLAGS = (
     "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_bf16", "amx_fp16", "amx_int8",

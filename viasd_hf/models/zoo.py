@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from viasd_hf.extras import require
+from viasd_hf.hub.files import viasd_home
 
 MARKER = "viasd_zoo.json"
 
@@ -105,11 +106,6 @@ ZOO: dict[str, ZooModel] = {
         ),
     )
 }
-
-
-def viasd_home() -> Path:
-    """Cache root: ``$VIASD_HOME``, else ``~/.cache/viasd_hf``."""
-    return Path(os.environ.get("VIASD_HOME") or Path.home() / ".cache" / "viasd_hf").expanduser()
 
 
 def _zoo_entry(name: str) -> ZooModel:
@@ -188,7 +184,7 @@ def _parsed_once() -> Iterator[None]:
     """Let transformers share one ``GGUFReader`` per file.
 
     transformers parses the GGUF afresh for the config, again for the weights and again for the tokenizer; with a
-    150k-token vocabulary and its merges in the metadata each parse takes ~20 s, the better part of a conversion.
+    150k-token vocabulary and its merges in the metadata each parse is the better part of a conversion.
     The reader is a read-only view of the file, so one parse can serve every caller.
     """
     gguf = require("gguf", "zoo", "converting a built-in model")

@@ -13,8 +13,8 @@ import os
 from torch import nn
 
 from viasd_hf.masks.architectures import is_encoder_decoder, model_config
+from viasd_hf.masks.per_model_cache import PerModelCache
 from viasd_hf.masks.repo import default_masks_repo
-from viasd_hf.models.per_model_cache import PerModelCache
 from viasd_hf.vocabulary.head import SubsetHead
 from viasd_hf.vocabulary.store import DraftVocabulary, DraftVocabularyError
 
@@ -61,21 +61,16 @@ def clear_vocabulary_cache(model: nn.Module | None = None) -> None:
     _found.clear(model)
 
 
-def tier_heads(
+def drafter_vocabulary(
     spec: DraftVocabulary | str | os.PathLike | None, target: nn.Module, drafter: nn.Module | None, drafter_id: str,
-    copies: bool, tiers: tuple[str, ...],
-) -> tuple[SubsetHead | None, SubsetHead | None]:
-    """The LM heads of the drafting model and of the slim verifier cut to the vocabulary ``spec`` names
-    (``resolve_vocabulary``), for the ``tiers`` named; ``None`` for a tier not named, and both without a
-    vocabulary. The drafting model is the assistant ``drafter``; without one, none where prompt lookup ``copies``,
-    else the target (the self-drafter)."""
+    copies: bool,
+) -> SubsetHead | None:
+    """The drafting model's LM head cut to the vocabulary ``spec`` names (``resolve_vocabulary``), or ``None`` without
+    a vocabulary. The drafting model is the assistant ``drafter``; without one, none where prompt lookup ``copies``,
+    else the target (the self-drafter). The slim tier and the full model always score the whole vocabulary."""
     vocabulary = resolve_vocabulary(spec, target, drafter_id)
-    if vocabulary is None:
-        return None, None
     drafting_model = drafter if drafter is not None else (None if copies else target)
-    drafter_head = None
-    if "drafter" in tiers and drafting_model is not None:
-        vocabulary.validate_rows(drafting_model)
-        drafter_head = SubsetHead(drafting_model, vocabulary.token_ids)
-    slim_head = SubsetHead(target, vocabulary.token_ids) if "slim" in tiers else None
-    return drafter_head, slim_head
+    if vocabulary is None or drafting_model is None:
+        return None
+    vocabulary.validate_rows(drafting_model)
+    return SubsetHead(drafting_model, vocabulary.token_ids)

@@ -74,7 +74,7 @@ class DraftVocabulary(HubMixin):
     ``coverage`` and ``head_cost`` map candidate sizes (as strings, JSON keys) to the fraction of
     held-out target tokens inside the first that many ids, and to the cost of one forward pass of
     ``cost_model_id`` with that many LM-head rows relative to the full head; the size chosen is
-    ``len(token_ids)`` (see ``viasd_hf.vocabulary.build``).
+    ``len(token_ids)`` (see ``viasd_hf.calibration.vocabulary``).
     """
 
     hub_filename = VOCABULARY_FILENAME

@@ -34,7 +34,7 @@ def pass_ms(model: torch.nn.Module, context: int, batch: int, rows: int, kernel:
         mask[batch // 2 :, : context // 4] = 0
     cache = new_cache(model.config)
     seconds = []
-    with torch.no_grad(), (fastest_attention() if kernel == "measured" else nullcontext()):
+    with torch.no_grad(), (fastest_attention([model]) if kernel == "measured" else nullcontext()):
         model(ids[:, :context], attention_mask=mask[:, :context], cache=cache, use_cache=True)
         for _ in range(repeats + 1):
             started = time.perf_counter()

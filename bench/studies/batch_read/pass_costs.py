@@ -3,7 +3,7 @@
 A block's verify pass carries B·(k+1) tokens and its drafting passes B tokens each (the first one more: what
 each row committed since its last draft). For B = 1, 4, 8 rows, each after 160 cached tokens, the median of
 five passes over 1 and over 4 new tokens a row, for the Qwen2.5-Coder 1.5B target (bf16), its 0.5B drafter
-(bf16), the drafter's copy in the form ``drafter_precision="auto"`` picks here, and that copy's twin (the same
+(bf16), the drafter's copy in the form VIA-SD drafts with here, and that copy's twin (the same
 weights dequantised, ``models/quantization/reader.py``), with torch's default threads:
 
     HF_HUB_OFFLINE=1 python bench/studies/batch_read/pass_costs.py

@@ -1,6 +1,6 @@
 """Where batched lossless VIA-SD gains and where it does not, batch by batch: each left-padded batch of B prompts of a
 packaged set, decoded by batched greedy ``generate``, by batched VIA-SD as configured (``ViaSDConfig()``) and by
-batched VIA-SD speculating on every block (``plain_fallback=False``), each once, after one short warm-up call each;
+batched VIA-SD speculating on every block (``reproducible=True``: nothing timed steers it), each once, after one short warm-up call each;
 per batch the prompts' lengths, each method's seconds and × greedy, and VIA-SD's plain blocks and verdict:
 
     HF_HUB_OFFLINE=1 python bench/studies/batch_read/per_batch.py [B] [DATASET] [LIMIT] [MAX_NEW_TOKENS]
@@ -30,7 +30,7 @@ pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenize
 eos = set(torch.as_tensor(target.generation_config.eos_token_id).flatten().tolist())
 prompts = [encode(tokenizer, example.prompt) for example in load_examples(dataset, limit)]
 common = {"max_new_tokens": max_new_tokens, "do_sample": False, "pad_token_id": pad, "return_dict_in_generate": True}
-configs = {"VIA-SD": ViaSDConfig(), "VIA-SD, every block": ViaSDConfig(plain_fallback=False)}
+configs = {"VIA-SD": ViaSDConfig(), "VIA-SD, every block": ViaSDConfig(reproducible=True)}
 greedy = decoder(target, common, eos, viasd_config=None)
 methods = {name: decoder(target, common, eos, assistant_model=drafter, viasd_config=config)
            for name, config in configs.items()}

@@ -1,5 +1,5 @@
 """Where a batch's time goes: the target's prefill, a one-token batched pass, the drafter's read of the prompts
-(bf16; its copy in the form ``drafter_precision="auto"`` picks here, bitsandbytes 4-bit on a Zen4,
+(bf16; its copy in the form VIA-SD drafts with here, bitsandbytes 4-bit on a Zen4,
 torchao int4 on an AMX Xeon; and that copy's reader, the same weights dequantised, through which VIA-SD reads), then batched greedy
 ``generate`` against batched lossless VIA-SD on the same batch (seconds and ``viasd_stats``). The first HumanEval
 prompts as one left-padded batch, torch's default threads:

@@ -107,7 +107,7 @@ class Shipped:
         self.planner = DraftPlanner(costs, longest=longest)
 
     def keep(self, confidences: list[float]) -> bool:
-        return self.planner.keep_drafting(confidences)
+        return self.planner.keep_drafting_rows([confidences], [True])
 
     def observe(self, confidences: list[float], drafted: int, kept: int) -> None:
         if drafted:

@@ -17,7 +17,7 @@ mask = RoutingMask.from_pretrained((T, D), local_files_only=True)
 e = [e for e in load_examples("spec_bench") if e.task == "summarization"][10]
 ids = encode(tok, e.prompt)
 for ctx in (None, 256, None, 256):
-    cfg = ViaSDConfig(routing_mask=mask, mode="lossless", drafter_context=ctx, runner_up=False)
+    cfg = ViaSDConfig(routing_mask=mask, mode="lossless", drafter_context=ctx)
     s = time.perf_counter()
     out = tgt.generate(ids, assistant_model=dr, viasd_config=cfg, max_new_tokens=64, do_sample=False, return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
     print(ctx, f"{time.perf_counter()-s:.1f}s", out.viasd_stats.summary(), flush=True)

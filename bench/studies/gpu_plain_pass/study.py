@@ -87,7 +87,7 @@ def main() -> int:
         "greedy": {},
         "viasd_lossless": {"assistant_model": drafter, "viasd_config": ViaSDConfig(routing_mask=mask)},
         "viasd_no_drafter_probe": {"assistant_model": drafter,
-                                   "viasd_config": ViaSDConfig(routing_mask=mask, use_slim=False, runner_up=False)},
+                                   "viasd_config": ViaSDConfig(routing_mask=mask, use_slim=False)},
     }
     recorder = PassRecorder({"target": target, "drafter": drafter})
     operators: dict[str, Counter] = {}

@@ -1,4 +1,4 @@
-"""Acceptance per row: each row of a batched pass is verified on its own, by the single-sequence rules.
+"""Acceptance per row: each row of a batched pass is verified on its own, by the rules of ``engine.policies``.
 
 A batched verifying pass returns logits ``[rows, columns, vocab]``. Row ``r`` fed its unprocessed
 committed tokens (its newest; in tiered mode also those the slim tier committed since the full
@@ -14,11 +14,15 @@ drafts in one block (ragged acceptance), and every committed token is the full m
 
 from __future__ import annotations
 
+import time
+
 import torch
+from torch import nn
 from transformers import LogitsProcessorList
 
 from viasd_hf.engine.accept import Draft, accept_prefix
-from viasd_hf.engine.batch.rows import Row
+from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
+from viasd_hf.engine.batch.rows import Row, Rows
 from viasd_hf.engine.policies import (
     BlockResult,
     SlimRepair,
@@ -27,6 +31,7 @@ from viasd_hf.engine.policies import (
     decided,
 )
 from viasd_hf.engine.verifier import TierLogits, processed_scores
+from viasd_hf.masks.layer_skipping import skipping
 
 
 def row_view(logits: torch.Tensor, row: Row, draft: list[int], processor: LogitsProcessorList, seconds: float,
@@ -38,7 +43,7 @@ def row_view(logits: torch.Tensor, row: Row, draft: list[int], processor: Logits
 
 def full_verdict(rules: VerificationRules, view: TierLogits, draft: Draft, repair: SlimRepair | None,
                  slim_view: TierLogits | None) -> BlockResult:
-    """The full model's verdict on one row's (repaired) draft, as the block result a single sequence would record:
+    """The full model's verdict on one row's (repaired) draft, as the row's block result:
     the prefix it keeps, greedily or by rejection sampling against the proposals the draft carries."""
     verified = repair.verified if repair is not None else draft
     block = decided(verified, accept_prefix(verified, rules.full(view)), view, "full")
@@ -50,3 +55,20 @@ def full_verdict(rules: VerificationRules, view: TierLogits, draft: Draft, repai
 def ragged(blocks: list[BlockResult]) -> bool:
     """Whether the rows of one block kept different numbers of drafts."""
     return len({block.kept for block in blocks}) > 1
+
+
+def scored(model: nn.Module, target: RaggedCache, rows: Rows, drafts: list[list[int]], skipped: list[int] | None,
+           processor: LogitsProcessorList) -> list[TierLogits]:
+    """One pass of the target over each row's unprocessed committed tokens and draft (with ``skipped`` layers: the
+    slim verifier, its pass provisional): what each row's pass says about its draft (``row_view``)."""
+    feeds = [row.unprocessed() + tokens for row, tokens in zip(rows.active, drafts)]
+    tokens, real = right_padded(feeds, target.mask.device)
+    started = time.perf_counter()
+    if skipped is not None:
+        with target.provisional(), skipping(model, skipped):
+            logits = target.run(model, tokens, real, keep=tokens.shape[1])
+    else:
+        logits = target.run(model, tokens, real, keep=tokens.shape[1])
+    seconds = time.perf_counter() - started
+    return [row_view(logits[i, len(feed) - len(draft) - 1 :], row, draft, processor, seconds, len(feed))
+            for i, (row, feed, draft) in enumerate(zip(rows.active, feeds, drafts))]

@@ -20,13 +20,10 @@ import torch
 from torch import nn
 from transformers import LogitsProcessorList
 
-from viasd_hf.drafters import (
-    PromptLookupDrafter,
-    drafted_token,
-    kept_prefix,
-)
-from viasd_hf.drafters.model import Reader, reading_model, unread_window
+from viasd_hf.control.hybrid_choice import CopyOrDraft
 from viasd_hf.engine.accept import Draft
+from viasd_hf.engine.batch.lookup import PromptLookupDrafter
+from viasd_hf.engine.batch.model_drafts import Reader, drafted_token, kept_prefix, reading_model, unread_window
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
 from viasd_hf.engine.sampling import RandomStream
@@ -45,6 +42,7 @@ class BatchDraft:
 
     rows: list[Draft]
     forwards: int = 0
+    copied: bool | None = None  # hybrid drafting, where some row could copy: whether the block copied (else None)
 
     @classmethod
     def empty(cls, rows: int) -> BatchDraft:
@@ -62,15 +60,16 @@ class BatchDraft:
 class BatchDrafter(Protocol):
     name: str
     head: SubsetHead | None  # the drafting model's LM head cut to a draft vocabulary, if any
+    mask: RoutingMask | None  # the self-drafter's routing mask (its passes cost what the layers it keeps cost)
 
     def unread(self, rows: Rows) -> int:
         """The columns its ``read`` would compute now (every row's tokens it has not read, padded to the longest): 0
         for a drafter with no cache of its own to fill."""
 
     def read(self, rows: Rows) -> int:
-        """Read what each active row committed and it has not read, but the row's newest token (which opens the next
-        draft): the prompts before the first draft, everything since where decoding began plainly. The passes that
-        took."""
+        """Read what each active row committed and it has not read: the prompts before the first draft, everything
+        since where decoding began plainly; a drafter with a cache keeps the logits after each row's newest token for
+        its first draft. The passes that took."""
 
     def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
               keep_drafting: KeepDraftingRows | None) -> BatchDraft:
@@ -93,7 +92,7 @@ class BatchDrafter(Protocol):
 class _BatchModelDrafting:
     """Drafting with a causal LM for every row at once, one batched pass per drafted token; subclasses say which model
     runs on which cache (``_pass``). With ``head`` (a draft vocabulary) it proposes only the vocabulary's tokens, as
-    a single sequence's drafter does (``drafters.model``): each row's proposal is the processed softmax over the
+    the drafter of one sequence would (``model_drafts``): each row's proposal is the processed softmax over the
     vocabulary, so rejection sampling stays exact."""
 
     logits_processor: LogitsProcessorList
@@ -106,13 +105,15 @@ class _BatchModelDrafting:
         raise NotImplementedError
 
     def _drafted(self, rows: Rows, feeds: list[list[int]], limits: list[int], rng: RandomStream | None,
-                 keep_drafting: KeepDraftingRows | None) -> BatchDraft:
-        """Up to ``limits[r]`` tokens after row ``r``'s ``feeds`` (what it has not fed yet), one pass per column."""
+                 keep_drafting: KeepDraftingRows | None, first: torch.Tensor | None = None) -> BatchDraft:
+        """Up to ``limits[r]`` tokens after row ``r``'s ``feeds`` (what it has not fed yet), one pass per column; the
+        first column from ``first`` where a read already gave each row's logits after its newest token."""
         draft = BatchDraft.empty(len(feeds))
         drafting = [limit > 0 for limit in limits]
         while any(drafting):
-            last = self._pass(feeds)
-            draft.forwards += 1
+            last = first if first is not None else self._pass(feeds)
+            draft.forwards += int(first is None)
+            first = None
             for i, row in enumerate(rows.active):
                 if drafting[i]:
                     drafting[i] = self._next(row, last[i : i + 1], draft.rows[i], limits[i], rng, keep_drafting is None)
@@ -146,14 +147,16 @@ class BatchAssistant(_BatchModelDrafting):
 
     ``fed[r]`` lists the tokens of row ``r`` the cache holds, in order: its committed tokens, then the
     drafts fed since. After a block, the drafts the row did not commit are forgotten
-    (``RaggedCache.forget_last``); the newest committed token is always fed with the next draft.
+    (``RaggedCache.forget_last``); the newest committed token is always fed with the next draft. A read (the
+    prompts before the first draft) feeds every row's newest token too and keeps the logits after it, which give
+    the first draft token, as HF's assistant's prefill does: one pass per drafted token, the read included.
 
-    With ``context`` (``ViaSDConfig.drafter_context``) each row is read as ``AssistantDrafter`` reads one
-    sequence: at most that many of the tokens it has when first read, its attention sinks and the latest
+    With ``context`` (``ViaSDConfig.drafter_context``) each row is read from at most that many of the tokens it has when first read, its attention sinks and the latest
     ones; the tokens between (``skipped[r]``) are never fed, and positions run on without them.
     """
 
     name = "assistant"
+    mask = None
 
     def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None,
                  end_tokens: frozenset[int], rows: int, device: torch.device, reader: Reader | None = None,
@@ -168,6 +171,7 @@ class BatchAssistant(_BatchModelDrafting):
         self.cache = RaggedCache(model.config, rows, device)
         self.fed: list[list[int]] = [[] for _ in range(rows)]
         self.skipped: list[slice | None] = [None] * rows  # each row's positions never fed, set when first read
+        self.pending: torch.Tensor | None = None  # a read's logits after each row's newest token, for the first draft
 
     def _window(self, i: int, row: Row) -> slice:
         """The positions of row ``i`` this drafter skips: fixed when the row is first read."""
@@ -180,17 +184,17 @@ class BatchAssistant(_BatchModelDrafting):
         return tokens[: skipped.start] + tokens[skipped.stop :] if skipped.stop else tokens
 
     def unread(self, rows: Rows) -> int:
-        unread = [len(self._seen(i, row)) - 1 - len(fed) for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
+        unread = [len(self._seen(i, row)) - len(fed) for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
         return len(unread) * max(max(unread, default=0), 0)
 
     @torch.no_grad()
     def read(self, rows: Rows) -> int:
         self.skipped = [self._window(i, row) for i, row in enumerate(rows.active)]
-        feeds = [self._seen(i, row)[len(fed) : -1] for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
+        feeds = [self._seen(i, row)[len(fed) :] for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
         if not any(feeds):
             return 0
         tokens, real = right_padded(feeds, self.cache.mask.device)
-        self.cache.run(reading_model(self.model, self.reader, tokens.numel()), tokens, real, keep=1)
+        self.pending = self.cache.newest(reading_model(self.model, self.reader, tokens.numel()), tokens, real, self.head)
         for fed, feed in zip(self.fed, feeds):
             fed.extend(feed)
         return 1
@@ -201,7 +205,8 @@ class BatchAssistant(_BatchModelDrafting):
         """One pass per drafted token for all rows; the first also feeds what each row committed since its last (its
         window was fixed when it was read, which comes first)."""
         feeds = [self._seen(i, row)[len(fed) :] for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
-        return self._drafted(rows, feeds, limits, rng, keep_drafting)
+        first, self.pending = (self.pending if not any(feeds) else None), None
+        return self._drafted(rows, feeds, limits, rng, keep_drafting, first)
 
     def _pass(self, feeds: list[list[int]]) -> torch.Tensor:
         """A block's first pass feeds every row what it committed since its last draft: through the reader where that
@@ -213,6 +218,7 @@ class BatchAssistant(_BatchModelDrafting):
         return logits
 
     def commit(self, rows: Rows) -> None:
+        self.pending = None
         forget = []
         for i, (row, fed) in enumerate(zip(rows.active, self.fed)):
             keep = kept_prefix(fed, self._seen(i, row))
@@ -224,6 +230,8 @@ class BatchAssistant(_BatchModelDrafting):
         self.cache.select(staying.to(self.cache.mask.device))
         self.fed = [self.fed[i] for i in staying.tolist()]
         self.skipped = [self.skipped[i] for i in staying.tolist()]
+        if self.pending is not None:
+            self.pending = self.pending[staying.to(self.pending.device)]
 
     def tidy(self) -> None:
         self.cache.compact_if_worth_it()
@@ -234,7 +242,7 @@ class BatchAssistant(_BatchModelDrafting):
 
 
 class BatchSelfDrafter(_BatchModelDrafting):
-    """The target itself under a heavier routing mask (``SelfDrafter``'s), drafting for every row at once on the
+    """The target itself under a heavier routing mask (``ViaSDConfig.self_draft_mask``), drafting for every row at once on the
     target's own ``RaggedCache``: its passes are provisional, so the cache is as before once the draft is made. It
     has nothing of its own to read, forget or compact: the decoder keeps the target's cache."""
 
@@ -245,6 +253,7 @@ class BatchSelfDrafter(_BatchModelDrafting):
                  confidence_threshold: float | None, end_tokens: frozenset[int], head: SubsetHead | None = None) -> None:
         mask.validate_for(model)
         self.model = model
+        self.mask = mask
         self.skipped = mask.skipped_layers
         self.target = target
         self.logits_processor = logits_processor
@@ -286,6 +295,7 @@ class BatchLookup:
 
     name = "prompt_lookup"
     head = None
+    mask = None
 
     def __init__(self, lookup: PromptLookupDrafter) -> None:
         self.lookup = lookup
@@ -298,7 +308,7 @@ class BatchLookup:
 
     def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
               keep_drafting: KeepDraftingRows | None) -> BatchDraft:
-        return BatchDraft([self.lookup.draft(row.ids[:, row.padding :], limit, None) if limit > 0 else Draft([], [])
+        return BatchDraft([self.lookup.draft(row.ids[:, row.padding :], limit) if limit > 0 else Draft([], [])
                            for row, limit in zip(rows.active, limits)])
 
     def commit(self, rows: Rows) -> None:
@@ -345,13 +355,17 @@ class AroundAssistant:
 
 class BatchHybrid(AroundAssistant):
     """Prompt lookup where a row's trailing n-gram occurred before, the assistant for the other rows; the assistant's
-    passes run only when some row has nothing to copy (and then feed every row what it committed)."""
+    passes run only when some row has nothing to copy (and then feed every row what it committed). With ``choice``
+    (``hybrid_choice.CopyOrDraft``, fed by the decoder after each block) a block that could copy does so only while
+    copying commits more per unit of cost; otherwise the assistant drafts every row."""
 
     name = "hybrid"
+    mask = None
 
-    def __init__(self, lookup: BatchLookup, assistant: BatchDrafter) -> None:
+    def __init__(self, lookup: BatchLookup, assistant: BatchDrafter, choice: CopyOrDraft | None = None) -> None:
         self.lookup = lookup
         self.assistant = assistant
+        self.choice = choice
 
     @property
     def head(self) -> SubsetHead | None:
@@ -360,32 +374,13 @@ class BatchHybrid(AroundAssistant):
     def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
               keep_drafting: KeepDraftingRows | None) -> BatchDraft:
         copied = self.lookup.draft(rows, limits, rng, keep_drafting)
+        could_copy = any(copied.tokens)
+        copies = could_copy and (self.choice is None or self.choice.copy())
+        if not copies:
+            copied = BatchDraft.empty(len(rows))
         model_limits = [0 if tokens else limit for tokens, limit in zip(copied.tokens, limits)]
         if not any(model_limits):
-            return copied
+            return BatchDraft(copied.rows, copied=True)
         drafted = self.assistant.draft(rows, model_limits, rng, keep_drafting)
         return BatchDraft([copy if copy.tokens else own for copy, own in zip(copied.rows, drafted.rows)],
-                          drafted.forwards)
-
-
-def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter | None,
-                  logits_processor: LogitsProcessorList, confidence_threshold: float | None, end_tokens: frozenset[int],
-                  target: RaggedCache, reader: Reader | None = None,
-                  self_drafting: tuple[nn.Module, RoutingMask] | None = None, context: int | None = None,
-                  head: SubsetHead | None = None) -> BatchDrafter:
-    """The assistant model (reading the prompts through ``reader`` where there is one, at most ``context`` tokens of
-    each), prompt lookup (``lookup``, as a single sequence would copy), or both; without either, the target routed
-    with its self-drafting mask (``self_drafting``: the model and the mask) on its cache ``target``. ``head``: the
-    drafting model's LM head cut to a draft vocabulary."""
-    batch_lookup = BatchLookup(lookup) if lookup is not None else None
-    if assistant_model is None:
-        if batch_lookup is not None:
-            return batch_lookup
-        if self_drafting is None:
-            raise ValueError("a batch needs a drafter: assistant_model=..., prompt_lookup_num_tokens=... or "
-                             "ViaSDConfig(self_draft_mask=...)")
-        return BatchSelfDrafter(*self_drafting, target, logits_processor, confidence_threshold, end_tokens, head)
-    rows, device = target.mask.shape[0], target.mask.device
-    assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device, reader,
-                               context, head)
-    return assistant if batch_lookup is None else BatchHybrid(batch_lookup, assistant)
+                          drafted.forwards, copied=copies if could_copy else None)

@@ -14,35 +14,37 @@ One block, as in the paper's algorithm, for all rows together:
 4. ``commit``: each row's tokens one at a time, until its own stopping criteria (``rows``);
 5. ``leave``: rows that finished leave every tensor, and a cache whose holes pile up is compacted.
 
-The first block is plain and rides on the prompts' pass (``open``): the target reads every prompt and gives each
-row its first token, as ``generate``'s first step does. Whether a later block drafts at all is the speculation
+The target reads the prompts in the first block's pass (``open``): where that block speculates and only the full
+model verifies it, the pass carries every row's first draft after its prompt, as HF assisted generation's first call
+does; where it does not speculate, it gives each row its first token, as ``generate``'s first step does; where the
+slim tier or a self-drafter reads the target's cache, the full model reads the prompts first (``prefill``). Whether a later block drafts at all is the speculation
 switch's choice (``control.speculation_switch``), on the tokens per second measured while every row of the batch
 decodes (``measures``): where speculation does not pay, blocks decode one token per row in one full pass, as
 ``generate``'s batched greedy decoding. Whether the slim tier runs is the tier controller's choice, fed each block's
 costs summed over its rows. Draft lengths come from the draft planner, asked row by row (``drafting``). Planner and
-controller are remembered per batch size, apart from single-sequence calls': passes over more rows cost differently.
+controller are remembered per batch size: passes over more rows cost differently. A single prompt is a batch of one.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 from torch import nn
 from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from viasd_hf.config import ViaSDConfig
-from viasd_hf.control.draft_planner import MeasuredCosts, StaticCosts
-from viasd_hf.control.memory import draft_planner, planner_key, tier_choice, tier_memory
-from viasd_hf.control.speculation_switch import DrafterRead
-from viasd_hf.control.tier_controller import BlockCost
+from viasd_hf.control.draft_planner import MeasuredCosts, longest_draft
+from viasd_hf.control.tier_controller import measures_wall_clock
 from viasd_hf.engine.attention import fastest_attention
-from viasd_hf.engine.batch.acceptance import full_verdict, ragged, row_view
+from viasd_hf.engine.batch.acceptance import full_verdict, ragged, row_view, scored
 from viasd_hf.engine.batch.drafting import BatchDraft, BatchDrafter
+from viasd_hf.engine.batch.learning import Learners
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Rows
 from viasd_hf.engine.batch.stats import BatchViaSDStats
-from viasd_hf.engine.loop import longest_draft, new_draft_planner, steers_attention
 from viasd_hf.engine.policies import (
     BlockResult,
     SlimRepair,
@@ -53,10 +55,14 @@ from viasd_hf.engine.policies import (
     slim_walk,
 )
 from viasd_hf.engine.sampling import RandomStream
-from viasd_hf.engine.state import CacheInvariantError
 from viasd_hf.engine.verifier import TierLogits
-from viasd_hf.masks.layer_skipping import skipping
 from viasd_hf.masks.routing_mask import RoutingMask
+
+logger = logging.getLogger("viasd_hf")
+
+
+class CacheInvariantError(AssertionError):
+    """The target's cache no longer holds exactly the tokens the full model has processed."""
 
 
 class BatchedDecoder:
@@ -67,9 +73,10 @@ class BatchedDecoder:
                  slim_mask: RoutingMask | None, logits_processor: LogitsProcessorList,
                  stopping_criteria: StoppingCriteriaList, max_length: int, target: RaggedCache,
                  rng: RandomStream | None = None, check_invariants: bool = False, keep_scores: bool = False,
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, streamer: BaseStreamer | None = None, emulated_bf16: bool = False) -> None:
         self.model = model
         self.drafter = drafter
+        self.drafter_model = drafter_model  # its attention steered with the target's (``run``)
         self.target = target  # the target's cache, empty until ``run`` (the self-drafter drafts on it too)
         self.config = config
         self.skipped = slim_mask.skipped_layers if slim_mask is not None else None
@@ -78,63 +85,88 @@ class BatchedDecoder:
         self.max_length = max_length
         self.check_invariants = check_invariants
         self.keep = {"keep_scores": keep_scores, "keep_logits": keep_logits}  # output_scores, output_logits
+        self.streamer = streamer  # a batch of one only (``preconditions``)
         self.rng = rng  # every random draw of a sampling call; None: greedy
         self.rules = VerificationRules(config, rng)
         self.tiered = config.mode == "tiered"
         self.batch_size = target.mask.shape[0]
-        sampling = rng is not None
         self.stats = BatchViaSDStats()
-        # a pass over B rows costs differently from a single sequence's, and from one over another number of rows; an
-        # assistant reading part of each prompt, or drafting over a vocabulary, drafts differently
-        context = config.drafter_context if drafter_model is not None else None
-        vocabulary = drafter.head.key if drafter.head is not None else None
-        key = (drafter.name, id(drafter_model), context, vocabulary, "batch", self.batch_size)
-        chooses_tier = config.adaptive and slim_mask is not None
-        self.controller = tier_choice(model, slim_mask, key, config, sampling) if chooses_tier else None
-        self.planner_key = planner_key(key, slim_mask, config, sampling) if config.adaptive else None
-        self.planner = None
-        if config.adaptive:
-            self.planner = draft_planner(model, self.planner_key, lambda: new_draft_planner(
-                StaticCosts.for_drafter(model, drafter_model, None), config, do_sample=sampling))
-        self.switch = self.planner.switch if self.planner is not None else None
-        # where this call's switches start in the remembered controller's and speculation switch's records
-        self._first_tier_switch = len(self.controller.switches) if self.controller is not None else 0
-        self._first_fallback_switch = len(self.switch.switches) if self.switch is not None else 0
+        self.learners = Learners(model, drafter, drafter_model, config, slim_mask, self.batch_size, rng is not None,
+                                 emulated_bf16)
+        # the learners' deciders, as the loop asks them
+        self.controller, self.planner = self.learners.controller, self.learners.planner
+        self.switch, self.drafter_read = self.learners.switch, self.learners.drafter_read
         self.rows: Rows
-        # the seconds of the speculative blocks at the call's end (``add_to_tail``), and their tokens per row × rows
-        self.tail = [0.0, 0.0]
-        self.drafter_read = DrafterRead(self.switch)  # the drafter reads the prompts before its first draft
 
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
         """Decode every row of ``input_ids`` (left-padded as ``prompt_mask`` says) until each one stops."""
         started = time.perf_counter()
-        self.rows = Rows(input_ids, prompt_mask, self.stopping_criteria, self.max_length, **self.keep)
-        with fastest_attention(steers_attention(self.config, self.rng is not None)):
-            self.open(input_ids, prompt_mask)
-            self.leave()
-            if len(self.rows) and self.speculates():
+        self.rows = Rows(input_ids, prompt_mask, self.stopping_criteria, self.max_length, streamer=self.streamer,
+                         **self.keep)
+        steered = measures_wall_clock(self.config.reproducible, self.config.mode == "lossless", self.rng is not None)
+        with fastest_attention((self.model, self.drafter_model), steered):
+            if not self.speculates():
+                self.open(input_ids, prompt_mask)
+            elif self.first_block_is_two_tier():
                 self.read_drafts()
+                self.open(input_ids, prompt_mask, self.draft(slim_may_run=False)[0])
+            else:
+                self.read_drafts()
+                self.prefill(input_ids, prompt_mask)
+            self.leave()
             while len(self.rows):
                 self.step()
                 self.leave()
+        if self.streamer is not None:
+            self.streamer.end()
         self.finish(started)
         return self.rows
 
-    def open(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
-        """The first block, a plain one: the target reads every prompt and gives each row its first token, as
-        ``generate``'s first step does. The drafter reads the prompts after it, where the next block drafts."""
+    def first_block_is_two_tier(self) -> bool:
+        """Whether the first block may carry the prompts: no self-drafter drafts on the target's cache (empty yet), and
+        the slim tier does not run in it (its pass would have to read the prompts as well)."""
+        if self.drafter.mask is not None:
+            return False
+        return self.skipped is None or (self.controller is not None and not self.controller.use_slim())
+
+    def open(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, draft: BatchDraft | None = None) -> None:
+        """The first block, whose full pass reads every prompt and, where it carries a ``draft``, each row's draft
+        after its prompt, as HF assisted generation's first call does; without one, each row gets its first token, as
+        ``generate``'s first step gives it. What the pass cost, mostly the prompts, teaches neither the draft planner's
+        costs nor the tier controller; what it accepted teaches the planner's calibration."""
+        draft = draft if draft is not None else BatchDraft.empty(len(self.rows))
+        drafted, drafted_real = right_padded(draft.tokens, self.target.mask.device)
+        tokens, real = torch.cat([input_ids, drafted], dim=-1), torch.cat([prompt_mask.bool(), drafted_real], dim=-1)
         started = time.perf_counter()
-        logits = self.target.run(self.model, input_ids, prompt_mask.bool(), keep=1)
+        logits = self.target.run(self.model, tokens, real, keep=draft.longest + 1)
         seconds = time.perf_counter() - started
-        self.drafter_read.observe_prefill(seconds, prompt_mask.numel())  # a batched pass computes every column
-        empty = BatchDraft.empty(len(self.rows))
-        fed = prompt_mask.sum(-1).tolist()
-        views = [row_view(logits[i], row, [], self.logits_processor, seconds, fed[i])
-                 for i, row in enumerate(self.rows.active)]
-        self.commit(self.judge(views, empty.tokens, empty, None, None), empty)
-        self.stats.plain_blocks += 1
+        self.drafter_read.observe_prefill(seconds, real.numel())  # a batched pass computes every column
+        fed = real.sum(-1).tolist()
+        views = [row_view(logits[i], row, row_draft, self.logits_processor, seconds, fed[i])
+                 for i, (row, row_draft) in enumerate(zip(self.rows.active, draft.tokens))]
+        blocks = self.judge(views, draft.tokens, draft, None, None)
+        self.commit(blocks, draft)
+        if self.planner is not None:
+            for row, block in zip(draft.rows, blocks):
+                if row.drawn:
+                    self.planner.observe(row.confidences, block.judged, block.kept)
+        if not draft.longest:
+            self.stats.plain_blocks += 1
+            for row in self.rows.active:
+                row.stats.plain_blocks += 1
+
+    def prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+        """Where the first block drafts but cannot carry the prompts (the slim tier or a self-drafter reads the
+        target's cache), the full model reads each prompt but its newest token, which opens the first block."""
+        if input_ids.shape[1] <= 1:
+            return  # nothing before the token that opens the first block
+        started = time.perf_counter()
+        self.target.run(self.model, input_ids[:, :-1], prompt_mask[:, :-1].bool(), keep=1)
+        seconds = time.perf_counter() - started
+        self.drafter_read.observe_prefill(seconds, prompt_mask[:, :-1].numel())
+        self.stats.record_prefill(seconds)
         for row in self.rows.active:
-            row.stats.plain_blocks += 1
+            row.stats.record_prefill(seconds)
 
     def unread_tokens(self) -> int:
         """The columns the drafter's read would compute (``BatchDrafter.unread``), until it has read."""
@@ -185,6 +217,7 @@ class BatchedDecoder:
         reading = 0.0 if self.drafter_read.done else self.read_drafts()  # decoding began plainly: read, once
         started = time.perf_counter()
         wants_slim = self.wants_slim()
+        owes = any(row.unverified for row in self.rows.active)  # tokens the slim tier committed, unseen by the full model
         draft, drafting = self.draft(slim_may_run=wants_slim)
         cut_short = self.cut_short(draft, wants_slim)
         catch_up = self.must_catch_up(draft)
@@ -197,11 +230,13 @@ class BatchedDecoder:
         else:
             blocks = self.verify(draft, *self.repair(draft))
         committed = self.commit(blocks, draft, catch_up)
+        self.stats.catch_up_blocks += int(catch_up)
         self.stats.slim_forwards += int(slim_runs)
         self.stats.slim_on_blocks += int(wants_slim and not shadow)
         self.stats.slim_off_blocks += int(not wants_slim or shadow)
         self.stats.slim_shadow_blocks += int(shadow)
-        self.learn(draft, blocks, committed, time.perf_counter() - started, drafting, wants_slim, reading, cut_short)
+        self.learners.block(draft, blocks, committed, time.perf_counter() - started, drafting, wants_slim or owes,
+                            reading, cut_short, self.measures(), len(self.rows))
 
     def plain_step(self) -> None:
         """A block without a draft: one full pass gives one token per row, as ``generate`` decodes a batch."""
@@ -212,9 +247,7 @@ class BatchedDecoder:
         self.stats.plain_blocks += 1
         for row in self.rows.active:
             row.stats.plain_blocks += 1
-        if self.measures():
-            self.switch.observe(False, committed, time.perf_counter() - started)
-        self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
+        self.learners.plain(blocks, committed, time.perf_counter() - started, self.measures())
 
     def limits(self, slim_may_run: bool) -> list[int]:
         """Each row's longest draft: the block's bound (the planner's, shorter where the slim tier may run, as for one
@@ -243,7 +276,7 @@ class BatchedDecoder:
     def must_catch_up(self, draft: BatchDraft) -> bool:
         """Tiered mode: whether some row's backlog (tokens the slim tier committed that the full model has not seen)
         would pass ``max_slim_backlog`` with this block, so the full model verifies it, as for one sequence."""
-        return self.tiered and any(row.unverified + len(tokens) + 1 > self.config.max_slim_backlog
+        return self.tiered and any(row.unverified + len(tokens) + 1 > self.config.knobs.max_slim_backlog
                                    for row, tokens in zip(self.rows.active, draft.tokens))
 
     def repair(self, draft: BatchDraft) -> tuple[list[SlimRepair], list[TierLogits]]:
@@ -260,7 +293,7 @@ class BatchedDecoder:
         views = self.score(draft.tokens, routed=True)
         verdicts = [slim_walk(self.rules, view, row) for view, row in zip(views, draft.rows)]
         self.stats.seconds["slim"] += views[0].seconds
-        if not shadow and all(verdict is not None and not verdict.escalated for verdict in verdicts):
+        if not shadow and not any(verdict.escalated for verdict in verdicts):
             return [decided(row, verdict, view, "slim") for row, verdict, view in zip(draft.rows, verdicts, views)]
         blocks = self.verify(draft, None, None)
         return [after_slim_walk(block, view, row, verdict, shadow)
@@ -286,19 +319,9 @@ class BatchedDecoder:
         return blocks
 
     def score(self, drafts: list[list[int]], routed: bool) -> list[TierLogits]:
-        """One pass of the target (``routed``: the slim verifier, provisional) over each row's unprocessed committed
-        tokens and draft: what each row's pass says about its draft (``row_view``)."""
-        feeds = [row.unprocessed() + tokens for row, tokens in zip(self.rows.active, drafts)]
-        tokens, real = right_padded(feeds, self.target.mask.device)
-        started = time.perf_counter()
-        if routed:
-            with self.target.provisional(), skipping(self.model, self.skipped):
-                logits = self.target.run(self.model, tokens, real, keep=tokens.shape[1])
-        else:
-            logits = self.target.run(self.model, tokens, real, keep=tokens.shape[1])
-        seconds = time.perf_counter() - started
-        return [row_view(logits[i, len(feed) - len(draft) - 1 :], row, draft, self.logits_processor, seconds, len(feed))
-                for i, (row, feed, draft) in enumerate(zip(self.rows.active, feeds, drafts))]
+        """One pass of the target (``routed``: the slim verifier) over every row's draft (``acceptance.scored``)."""
+        return scored(self.model, self.target, self.rows, drafts, self.skipped if routed else None,
+                      self.logits_processor)
 
     def commit(self, blocks: list[BlockResult], draft: BatchDraft, catch_up: bool = False) -> int:
         """Each row's tokens, until its stopping criteria; the drafter forgets what was not committed. Returns the
@@ -331,43 +354,6 @@ class BatchedDecoder:
             self.drafter.tidy()
             self.stats.peak_hole_share = max(self.stats.peak_hole_share, self.target.hole_share())
 
-    def learn(self, draft: BatchDraft, blocks: list[BlockResult], committed: int, seconds: float, drafting: float,
-              wants_slim: bool, reading: float, cut_short: bool) -> None:
-        """What the block teaches the planner, the speculation switch and the tier controller (``reading``: the seconds
-        the drafter spent once, catching up with plain blocks, before the block; ``cut_short``: the length limit ended
-        a row's draft, so its pace tells the switch nothing)."""
-        if self.planner is not None:
-            for row, block in zip(draft.rows, blocks):
-                self.planner.observe(row, block.judged, block.kept)
-            if isinstance(self.planner.costs, MeasuredCosts) and blocks[0].passes["full"]:
-                self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
-        if self.switch is not None and self.measures():
-            self.switch.observe(True, committed, seconds, one_off=reading, cut_short=cut_short)
-        if self.switch is not None and (cut_short or not self.measures()):
-            self.add_to_tail(seconds, committed)
-        if self.controller is not None:
-            self.controller.observe(BlockCost(
-                slim=wants_slim, seconds=seconds, tokens=committed, slim_seconds=blocks[0].seconds["slim"],
-                full_seconds=blocks[0].seconds["full"], repair_gain=sum(block.repair_gain for block in blocks),
-                drafter_seconds=drafting if draft.forwards else 0.0, drafter_passes=draft.forwards,
-            ))
-
-    def add_to_tail(self, seconds: float, tokens: int) -> None:
-        """A speculative block at the call's end (rows had left, or the length limit cut a draft short): its seconds,
-        and its tokens as the full batch would commit them at these rows' pace (tokens per row × the batch's rows)."""
-        self.tail[0] += seconds
-        self.tail[1] += tokens * self.batch_size / len(self.rows)
-
-    def observe_tail(self) -> None:
-        """Tell the switch what this call's end lost (``SpeculationSwitch.observe_tail``): its speculative blocks'
-        seconds beyond their tokens, per row, at the full batch's speculative pace. Rows that left cost nothing here:
-        a block of fewer rows commits fewer tokens in either regime. The rows left last are those that kept fewer
-        drafts, so what the end loses is speculation's own."""
-        seconds, tokens = self.tail
-        pace = self.switch.speculative.mean()
-        if seconds and pace:
-            self.switch.observe_tail(seconds - tokens / pace)
-
     def record_draft(self, passes: int, seconds: float) -> None:
         self.stats.record_draft(passes, seconds)
         for row in self.rows.active:
@@ -387,14 +373,5 @@ class BatchedDecoder:
         stats = self.stats
         stats.total_rows([row.stats for row in self.rows.every_row()])
         stats.compactions = {"target": self.target.compactions, "drafter": self.drafter.compactions}
-        if self.controller is not None:
-            stats.tier_switches = self.controller.switches[self._first_tier_switch :]
-            stats.slim_tier_verdict = self.controller.verdict()
-        if self.switch is not None:
-            self.observe_tail()
-            stats.speculation_switches = self.switch.switches[self._first_fallback_switch :]
-            stats.speculation_verdict = self.drafter_read.verdict or self.switch.verdict()
-        if self.planner_key is not None:
-            tier_memory(self.model).remember_planner(self.planner_key, self.planner)
+        self.learners.finish(stats)
         stats.seconds["total"] = time.perf_counter() - started
-

@@ -32,10 +32,11 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from viasd_hf.engine.branching import MASK_KINDS
+from viasd_hf.engine.attention import STEERED
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+MASK_KINDS = ("sdpa", "eager", STEERED)  # attention implementations that read a 4D mask as given
 
 
 def layer_windows(config: PretrainedConfig) -> list[tuple[str, int | None]]:

@@ -1,11 +1,12 @@
-"""What batched VIA-SD decodes, and, for what it does not, the reason and the fix.
+"""What VIA-SD decodes for several prompts at once, and, for what it does not, the reason and the fix.
 
-A batch (more than one prompt) decodes in lossless or tiered mode, greedily or sampling, from left-padded
+One prompt is a batch of one, whose cache never holds a hole (``ragged_cache``): it takes every model and option that
+``engine.preconditions`` admits, streamers and encoder-decoder models included. A batch of more than one decodes in lossless or tiered mode, greedily or sampling, from left-padded
 prompts (with their attention mask, or none when they have one length), drafted by an assistant model,
 prompt lookup, both, or the self-drafter. ``return_dict_in_generate`` returns the sequences, ``viasd_stats``
 and, where asked for, each new token's scores and logits, step by step as ``generate`` returns them
-(``rows.Rows.per_step``). With a ``MaskSet`` the slim tier runs its default mask. A draft vocabulary serves the
-drafter, not the slim tier, and the runner-up leaf is left out: they change only speed.
+(``rows.Rows.per_step``). Streamers take one prompt, as
+``generate``'s do.
 
 The target and the assistant may have sliding-window layers (every layer, or some beside full-attention ones, as
 ``config.layer_types`` or ``sliding_window`` says), on SDPA or eager attention: the ragged cache masks each row's
@@ -38,7 +39,7 @@ def check_batch_supported(
     model: nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig, drafter: nn.Module | None,
     streamer: Any, stopping_criteria: StoppingCriteriaList, model_kwargs: dict[str, Any],
 ) -> None:
-    """Refuse, naming what is supported and the fix, what batched VIA-SD does not do (yet)."""
+    """Refuse, naming what is supported and the fix, what VIA-SD does not do for more than one prompt at once (yet)."""
     batch = f"a batch of {input_ids.shape[0]}"
     copies = generation_config.num_return_sequences or 1
     if copies > 1:  # generate repeated each prompt: name the batch as the user asked for it
@@ -48,14 +49,16 @@ def check_batch_supported(
     def refuse(what: str, fix: str) -> NoReturn:
         raise ValueError(f"{what}, got {batch}: {SUPPORTED}; {fix}")
 
+    check_empty(model_kwargs.get("cache"))
+    check_padding(input_ids, model_kwargs, refuse)
+    if input_ids.shape[0] == 1:
+        return  # one sequence: its cache never holds a hole, so every model and option of ``generate`` works
     if streamer is not None:  # transformers' own words (TextStreamer), the fix after them
-        name = type(getattr(streamer, "streamer", streamer)).__name__
+        name = type(streamer).__name__
         raise ValueError(f"{name} only supports batch size 1: stream one prompt per generate call, or drop the streamer "
                          f"to decode {batch}")
     if is_encoder_decoder(model):
         refuse("batched VIA-SD does not decode encoder-decoder models", ONE_AT_A_TIME)
-    check_empty(model_kwargs.get("cache"))
-    check_padding(input_ids, model_kwargs, refuse)
     check_stopping(stopping_criteria, refuse)
     for which, module in (("target", model), ("assistant model", drafter)):
         why = unmaskable(model_config(module)) if module is not None else None

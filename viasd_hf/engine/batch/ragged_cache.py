@@ -20,6 +20,9 @@ The scheme:
   token count) pass ``COMPACT_SHARE`` of the cache, every layer is gathered so that each row's tokens
   are contiguous and right-aligned: left-padded again, without holes.
 - **Rows leave.** A finished row is index-selected out of every layer and the mask (``select``).
+- **One row** (a single prompt) never holds a hole: what it rejects is the end of the cache, cropped off. So it runs
+  in the model's own cache and masks, as ``generate``'s sequence does (sliding, chunked and shared layers, encoder-
+  decoder models), with no mask at all unless its prompt is padded.
 
 Why this scheme: transformers builds attention masks from any 2D key mask (``masking_utils``: causal
 by column, padding by the mask), so a hole costs only its column, with no kernel of our own; a window
@@ -35,10 +38,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PretrainedConfig
+from transformers import Cache, DynamicCache, PretrainedConfig
 
 from viasd_hf.engine.batch.position_masks import SlidingWindows
 from viasd_hf.engine.kv_cache import crop_to, new_cache, self_attention_layers
@@ -52,9 +56,14 @@ HOLE_TOKEN = 0  # fed in the columns a row does not need in a pass; masked out, 
 class RaggedCache:
     """A model's KV cache for a batch: ``mask[r, c]`` says whether column ``c`` holds a token of row ``r``."""
 
-    def __init__(self, config: PretrainedConfig, rows: int, device: torch.device) -> None:
-        self.windows = SlidingWindows.of(config)  # None: full attention only, masked by transformers from ``mask``
-        self.cache = new_cache(config) if self.windows is None else DynamicCache()  # no layer evicts a column
+    def __init__(self, config: PretrainedConfig, rows: int, device: torch.device, prepared: Cache | None = None,
+                 encoder: dict[str, Any] | None = None) -> None:
+        # one row never holds a hole (its rejected drafts are cropped off the end), so the model masks it as it masks
+        # generate's sequence: in its own cache (``generate``'s when it ``prepared`` one), sliding layers included
+        self.contiguous = rows == 1
+        self.windows = None if self.contiguous else SlidingWindows.of(config)  # None: masked by transformers from ``mask``
+        self.cache = new_cache(config, prepared if self.contiguous else None) if self.windows is None else DynamicCache()
+        self.encoder = encoder  # an encoder-decoder model's encoder output and mask, fed with every pass
         self.mask = torch.zeros((rows, 0), dtype=torch.long, device=device)
         self.compactions = 0
 
@@ -73,8 +82,10 @@ class RaggedCache:
     def layout(self, real: torch.Tensor, model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """For a pass of ``model`` feeding ``real.shape[1]`` columns (``real``: which of them hold a token of the row)
         after the cache's columns: the cache's mask once it holds them, and the pass's attention mask and position
-        ids."""
+        ids (none for one row without padding, as ``generate`` feeds a sequence)."""
         mask = torch.cat([self.mask, real.long()], dim=-1)
+        if self.contiguous and bool(mask.all()):
+            return mask, {}
         positions = mask.cumsum(-1) - 1  # a hole: its row's last position before it; −1 before the row's first token
         attention = mask if self.windows is None else self.windows.masks(mask, positions, real.shape[1], model)
         return mask, {"attention_mask": attention, "position_ids": positions[:, self.columns :].clamp(min=0)}
@@ -83,9 +94,13 @@ class RaggedCache:
         """Logits ``[rows, keep, vocab]`` of the last ``keep`` columns of ``tokens`` ``[rows, width]``, fed after the
         cache's columns; the new columns stay in the cache, holding the tokens ``real`` marks."""
         mask, layout = self.layout(real, model)
-        output = model(tokens, cache=self.cache, use_cache=True, logits_to_keep=keep, **layout)
+        if self.encoder is not None:  # one row (encoder-decoder models decode one prompt at a time), never padded
+            output = model(decoder_input_ids=tokens, cache=self.cache, use_cache=True, **self.encoder)
+            logits = output.logits[:, -keep:]
+        else:
+            logits = model(tokens, cache=self.cache, use_cache=True, logits_to_keep=keep, **layout).logits
         self.mask = mask
-        return output.logits
+        return logits
 
     def newest(self, model: nn.Module, tokens: torch.Tensor, real: torch.Tensor,
                head: SubsetHead | None = None) -> torch.Tensor:
@@ -133,6 +148,8 @@ class RaggedCache:
 
     def compact_if_worth_it(self) -> bool:
         """Compact when it frees ``COMPACT_SHARE`` of the columns (and ``COMPACT_AT_LEAST``); whether it did."""
+        if self.contiguous:
+            return False  # one row: nothing to gather but its left padding, and sliding layers keep no columns
         freed = self.columns - int(self.lengths().max()) if self.columns else 0
         if freed < max(COMPACT_AT_LEAST, COMPACT_SHARE * self.columns):
             return False
@@ -165,8 +182,9 @@ def newest_columns(states: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
 
 
 def right_padded(feeds: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of different lengths as one ``[rows, longest]`` tensor of token ids and the mask of the real ones."""
-    width = max(len(feed) for feed in feeds)
+    """Rows of different lengths as one ``[rows, longest]`` tensor of token ids and the mask of the real ones (no
+    columns where every row is empty)."""
+    width = max((len(feed) for feed in feeds), default=0)
     tokens = torch.full((len(feeds), width), HOLE_TOKEN, dtype=torch.long, device=device)
     real = torch.zeros((len(feeds), width), dtype=torch.bool, device=device)
     for row, feed in enumerate(feeds):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from viasd_hf.engine.policies import BlockResult
 from viasd_hf.engine.stats import ViaSDStats
@@ -58,7 +59,7 @@ class Rows:
 
     def __init__(
         self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, stopping_criteria: StoppingCriteriaList, max_length: int,
-        keep_scores: bool = False, keep_logits: bool = False,
+        keep_scores: bool = False, keep_logits: bool = False, streamer: BaseStreamer | None = None,
     ) -> None:
         padding = (prompt_mask == 0).sum(-1).tolist()
         self.active = [Row(i, input_ids[i : i + 1], padding[i], ViaSDStats()) for i in range(input_ids.shape[0])]
@@ -67,6 +68,9 @@ class Rows:
         self.max_length = max_length
         self.keep_scores = keep_scores
         self.keep_logits = keep_logits
+        self.streamer = streamer  # one row: its prompt, then each token as it is committed, as ``generate`` streams
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
 
     def __len__(self) -> int:
         return len(self.active)
@@ -76,6 +80,8 @@ class Rows:
         for count, (token, maker) in enumerate(zip(block.tokens, block.made_by), start=1):
             row.ids = torch.cat([row.ids, row.ids.new_tensor([[token]])], dim=-1)
             row.stats.record_commit(maker)
+            if self.streamer is not None:
+                self.streamer.put(row.ids[:, -1:].cpu())
             if self.keep_scores:  # row ``count - 1`` of the block's pass chose the token
                 row.scores.append(block.rows.scores[count - 1 : count])
             if self.keep_logits:

@@ -4,7 +4,7 @@ The shape: ``viasd_stats`` of a batched call is a ``ViaSDStats`` whose fields ho
 
 - ``rows``: one ``ViaSDStats`` per prompt, in the order of the batch ``generate`` was given, counted as
   if that prompt had been decoded alone: the blocks it took part in, the passes that fed it, its
-  drafts, its committed tokens. Each satisfies the bookkeeping of a single-sequence call.
+  drafts, its committed tokens. Each satisfies the bookkeeping of a call of one prompt.
 - totals: token counts (``new_tokens``, ``committed_by``, drafted / accepted / regenerated tokens, by
   position, slim agreement) are sums over the rows; ``blocks``, every ``*_forwards`` count and
   ``seconds`` count the batch's passes once each. So ``mean_accepted_per_full_call`` is the tokens
@@ -47,6 +47,7 @@ class BatchViaSDStats(ViaSDStats):
         for name in SUMMED:
             setattr(self, name, sum(getattr(row, name) for row in rows))
         self.committed_by = {who: sum(row.committed_by[who] for row in rows) for who in self.committed_by}
+        self.peak_slim_backlog = max((row.peak_slim_backlog for row in rows), default=0)
         depth = max((len(row.drafted_at_position) for row in rows), default=0)
         self.drafted_at_position = [sum(row.drafted_at_position[i] for row in rows if i < len(row.drafted_at_position))
                                     for i in range(depth)]

@@ -139,11 +139,10 @@ class InMemoryDrafting:
 
     Its target is not at hand when the forms are measured, so a quantised form is judged by its passes
     alone: they must be ``min_gain`` times faster than the unquantised form's, enough to cover the few
-    drafts its rounding costs (Qwen2.5 0.5B in 4 bits keeps its target's top-1 agreement within one point
-    of bf16's), and its next-token argmax must agree with the drafter's own float32 on ``min_top1`` of
-    positions (random tokens, where a model's favourite is seldom clear: Qwen2.5 0.5B's 4-bit forms agree at 0.53 to
-    0.59), which catches a kernel that computes a different model on this machine (SmolLM2 135M under torch.ao's
-    dynamic int8: 0.18).
+    drafts its rounding costs, and its next-token argmax must agree with the drafter's own float32 on ``min_top1``
+    of positions (random tokens, where a model's favourite is seldom clear), which catches a kernel that computes
+    a different model on this machine. The agreements measured: docs/quantization.md, "What `auto` measures" and
+    "The drafter for the Qwen pair, judged by its target".
     """
 
     min_gain: float = 1.2
@@ -180,7 +179,7 @@ def drafting_candidates() -> list[str]:
     """The forms a drafter in memory is measured in besides bf16: the unquantised candidates and every scheme
     transformers loads (``quantization_config=``) whose library is installed; the screen sets aside those that
     cannot win on this CPU. Not torch.ao's dynamic int8: its one activation scale per pass computes another model
-    where activations have outliers (SmolLM2 135M: argmax agreement 0.18 with float32), and its one-layer screen
+    where activations have outliers (docs/quantization.md, "Measured tables"), and its one-layer screen
     time, far below its real passes', would set aside the forms that can win."""
     return [*unquantized_candidates(), *(name for name, s in SCHEMES.items() if s.available and s.make_config)]
 

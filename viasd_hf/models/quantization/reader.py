@@ -2,22 +2,19 @@
 
 A 4-bit CPU kernel computes a linear layer from the packed weights on every pass. For the one to few tokens
 of a drafting pass that is what makes 4 bits fast (a quarter of the bytes of bf16 to read); a pass over a
-prompt is compute-bound, and there the kernel is slower than a bf16 matrix product: bitsandbytes' 4-bit
-Qwen2.5-Coder 0.5B read 256 tokens in 0.90 s where its bf16 model took 0.65 s (AMD EPYC Zen4, AVX512-BF16,
-two threads); torchao's int4 copy read eight HumanEval prompts (8 × 170 tokens) in 7.2–7.5 s where the bf16
-model took 1.8 s (Intel Xeon with AMX; ``bench/studies/batch_read``). A drafter reads every prompt once per
-call (B of them in a batch) before it drafts, so a quantised drafting copy reads through its twin
-(``dequantized_twin``) the passes over enough tokens: the same module tree,
+prompt is compute-bound, and there the kernel is slower than a bf16 matrix product, bitsandbytes' 4-bit and
+torchao's int4 alike (docs/results.md, "Batches on an AMX Xeon" and "Batches on a Zen4"; ``bench/studies/batch_read``).
+A drafter reads every prompt once per call (B of them in a batch) before it drafts, so a quantised drafting copy
+reads through its twin (``dequantized_twin``) the passes over enough tokens: the same module tree,
 each quantised linear layer replaced by a plain linear layer holding its weights dequantised, every other
 module shared. The twin computes the model the quantised one computes (up to the rounding of a product), so
 the cache it fills is the one the quantised model would have filled; a read by the bf16 model the copy was
 made from (other weights) made the drafts worse (docs/results.md, "Batches on a Zen4"). The twin costs the
 dequantised weights' memory: 2 bytes per weight of the linear layers, about 0.7 GB for a 0.5B drafter.
 
-Where the twin starts to pay is the machine's: torchao's int4 Qwen2.5-Coder 0.5B ran a pass over 8 tokens (8 rows
-of one) in 104 ms and its twin in 123 ms, over 16 tokens (4 rows of 4) in 181 ms against 143 ms (Intel Xeon with
-AMX, two threads). A batch's drafting pass that feeds each row what it committed since its last draft carries
-tens of tokens, so it is measured once where the twin is made (``fewest_tokens_for_twin``), not assumed.
+Where the twin starts to pay is the machine's (docs/results.md, "Batches on an AMX Xeon"). A batch's drafting pass
+that feeds each row what it committed since its last draft carries tens of tokens, so the length is measured once
+where the twin is made (``fewest_tokens_for_twin``), not assumed.
 
 Two kinds of quantised layer are dequantised: bitsandbytes' ``Linear4bit``, by bitsandbytes' own
 ``dequantize_4bit`` (before a first pass packs its weights for the CPU kernel), and a linear layer

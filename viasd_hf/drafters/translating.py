@@ -23,8 +23,6 @@ from torch import nn
 from transformers import LogitsProcessorList
 
 from viasd_hf.config import ViaSDConfig
-from viasd_hf.drafters import PromptLookupDrafter
-from viasd_hf.drafters.model import Reader
 from viasd_hf.drafters.translation import Translation
 from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.batch.drafting import (
@@ -36,6 +34,8 @@ from viasd_hf.engine.batch.drafting import (
     BatchLookup,
     KeepDraftingRows,
 )
+from viasd_hf.engine.batch.lookup import PromptLookupDrafter
+from viasd_hf.engine.batch.model_drafts import Reader
 from viasd_hf.engine.batch.ragged_cache import RaggedCache
 from viasd_hf.engine.batch.rows import Row, Rows
 from viasd_hf.engine.sampling import RandomStream
@@ -53,6 +53,7 @@ class TranslatingDrafter(AroundAssistant):
     tokens, and proposes the target's tokens of the text it drafted."""
 
     name = "translating"
+    mask = None
     head = None  # a draft vocabulary is the target's tokens: the assistant drafts over its own
 
     def __init__(self, assistant: BatchAssistant, translation: Translation) -> None:
@@ -87,7 +88,7 @@ def translating_drafter(drafter: nn.Module, translation: Translation, lookup: Pr
     where ``lookup`` copies, as ``batch_drafter`` pairs them. It stops at its own special tokens
     (``Translation.drafter_ends``) and below the confidence threshold in its own tokens."""
     rows, device = target.mask.shape[0], target.mask.device
-    assistant = BatchAssistant(drafter, LogitsProcessorList(), config.draft_confidence_threshold,
+    assistant = BatchAssistant(drafter, LogitsProcessorList(), config.knobs.draft_confidence_threshold,
                                translation.drafter_ends, rows, device, reader, config.drafter_context)
     translating = TranslatingDrafter(assistant, translation)
     return translating if lookup is None else BatchHybrid(BatchLookup(lookup), translating)
