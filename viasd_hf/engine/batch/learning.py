@@ -75,8 +75,8 @@ class Learners:
                 self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
         if self.switch is not None and measures:
             self.switch.observe(True, committed, seconds, one_off=reading, cut_short=cut_short)
-        if self.switch is not None and (cut_short or not measures):
-            self.add_to_tail(seconds, committed, rows)
+        if self.switch is not None and self.batch_size > 1 and (cut_short or not measures):
+            self.add_to_tail(seconds, committed, rows)  # rows finishing apart: a batch's cost, not one sequence's
         choice = getattr(self.drafter, "choice", None)  # hybrid drafting's copy-or-draft rule
         if choice is not None and draft.copied is not None:
             choice.observe(draft.copied, committed, draft.forwards)

@@ -55,6 +55,9 @@ class BatchViaSDStats(ViaSDStats):
                                      for i in range(depth)]
 
     def summary(self) -> str:
+        """One line per row under the batch's totals; a batch of one is its row's line."""
+        if len(self.rows) == 1:
+            return self.rows[0].summary()
         lines = [(f"batch of {self.batch_size}: {self.new_tokens} tokens in {self.blocks} blocks, "
                   f"{self.decode_full_forwards} batched full passes ({self.mean_accepted_per_full_call:.2f} tokens each), "
                   f"{self.ragged_blocks} ragged blocks, {self.compactions} compactions")]
