@@ -20,14 +20,14 @@ from viasd_hf.bench import demo
 from viasd_hf.bench.methods import Outcome
 from viasd_hf.bench.runner import MethodRuns, run_methods, summarise
 from viasd_hf.cli import args as cli_args
-from viasd_hf.cli import main
+from viasd_hf.cli import build_parser, main
 from viasd_hf.data.tasks import Example
 from viasd_hf.models import loading as models
 
 SMALL = "smollm2-135m-instruct"
 
 
-class ModelLoaded(Exception):
+class ModelLoaded(BaseException):  # not an Exception: the command turns those into one line
     """Raised by every model loader in these tests: reaching one means the arguments passed their checks."""
 
 
@@ -292,3 +292,43 @@ def test_profile_reports_slim_and_full_costs(capsys):
                  "--context", "32"]) == 0
     out = capsys.readouterr().out
     assert "| full | 1.00" in out and "| slim 45%" in out
+
+
+def test_version_prints_the_version(capsys):
+    from viasd_hf import __version__
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"viasd {__version__}\n"
+
+
+@pytest.mark.parametrize("arguments, problem", [
+    (["--target", "nobody/nothing"], "--target nobody/nothing"),
+    (["--drafter", "./no-such-folder"], "--drafter ./no-such-folder: no such folder"),
+])
+def test_demo_refuses_a_model_it_cannot_find_in_one_line(arguments, problem, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("viasd_hf.bench.demo.load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["demo", *arguments]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and len(err.strip().splitlines()) == 1
+
+
+def test_demo_refuses_a_folder_for_its_json_file_before_it_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("viasd_hf.bench.demo.load_pretrained", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["demo", "--small", "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a folder; give a file name" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_failure_during_a_run_is_one_line_unless_debug(capsys, monkeypatch):
+    def fails(*args, **kwargs):
+        raise RuntimeError("the model would not load\nwith a long second line")
+
+    monkeypatch.setattr("viasd_hf.cli.demo.run_demo", fails)
+    assert main(["demo", "--small"]) == 1
+    err = capsys.readouterr().err
+    assert err == "viasd demo: error: the model would not load (--debug shows where)\n"
+    with pytest.raises(RuntimeError, match="would not load"):
+        main(["--debug", "demo", "--small"])

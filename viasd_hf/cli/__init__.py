@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from viasd_hf.cli.args import CommandError
+from viasd_hf.cli.args import CommandError, first_line
 from viasd_hf.cli.bench import add_bench_command
 from viasd_hf.cli.demo import add_demo_command
 from viasd_hf.cli.hub import add_hub_commands
@@ -15,6 +15,7 @@ from viasd_hf.cli.replay import add_replay_command
 from viasd_hf.cli.search import add_search_command
 from viasd_hf.cli.vocab import add_vocab_command
 from viasd_hf.extras import MissingExtraError, hide_assisted_generation_deprecation
+from viasd_hf.version import __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,6 +28,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The ``viasd`` parser; the subcommands are listed in ``--help`` in this order."""
     parser = _Parser(prog="viasd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"viasd {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure (default: one line)")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_demo_command(subparsers)
     add_bench_command(subparsers)
@@ -39,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand; a mistake in the arguments is one line on stderr and exit status 2, not a traceback, and so
-    is an optional package the subcommand needs and lacks, with exit status 1."""
+    """Run one subcommand; a mistake in the arguments is one line on stderr and exit status 2, not a traceback, and a
+    failure during the run (an optional package the subcommand needs and lacks, a model that will not load) one line
+    and exit status 1; ``--debug`` shows a failure's traceback instead."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse: --help (0), or its usage and one error line (2)
@@ -53,4 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         return error.exit_status
     except MissingExtraError as error:
         print(f"viasd {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:
+        if args.debug:
+            raise
+        print(f"viasd {args.command}: error: {first_line(error)} (--debug shows where)", file=sys.stderr)
         return 1

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from viasd_hf.bench.demo import BUDGET_SECONDS, DTYPES, MAX_NEW_TOKENS, run_demo
-from viasd_hf.cli.args import UsageError, positive_int
+from viasd_hf.cli.args import UsageError, check_model, positive_int
 
 
 def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
@@ -28,8 +28,13 @@ def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
-    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
+    if args.json is not None and Path(args.json).expanduser().is_dir():
+        raise UsageError(f"--json {args.json}: is a folder; give a file name")
+    if args.json is not None and not Path(args.json).expanduser().resolve().parent.is_dir():
         raise UsageError(f"--json {args.json}: its folder does not exist")
+    for flag, name in (("--target", args.target), ("--drafter", args.drafter)):
+        if name is not None:
+            check_model(name, flag)
     if not args.budget >= 0:
         raise UsageError(f"--budget must be 0 (every prompt) or a positive number of seconds, got {args.budget}")
     run_demo(small=args.small, target_name=args.target, drafter_name=args.drafter, max_new_tokens=args.max_new_tokens,
