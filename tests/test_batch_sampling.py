@@ -147,6 +147,24 @@ def test_the_per_row_bound_catches_a_proposal_the_drafter_did_not_draw_from(mode
     assert max(distances) > TV_BOUND, distances
 
 
+@pytest.mark.parametrize("drafting", ["prompt_lookup", "hybrid"])
+def test_several_sequences_per_prompt_are_sampled_with_prompt_lookup_too(models, drafting):
+    """``num_return_sequences`` > 1 with prompt lookup (alone or beside the assistant), which ``generate``'s own
+    assisted generation refuses: each prompt's copies are rows of one batch, reproducibly under one seed."""
+    target, drafter, _ = models
+    enable_viasd(target)
+    ids = torch.tensor([[1, 5, 2, 7, 3, 5, 2, 7, 3]])
+    extra = {"assistant_model": drafter} if drafting == "hybrid" else {}
+    settings = {"do_sample": True, "temperature": 0.8, "max_new_tokens": 6, "pad_token_id": PAD,
+                "num_return_sequences": 3, "prompt_lookup_num_tokens": 2, "return_dict_in_generate": True}
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append(target.generate(ids, viasd_config=ViaSDConfig(use_slim=False), **settings, **extra))
+    assert runs[0].sequences.shape[0] == 3 and runs[0].viasd_stats.batch_size == 3
+    assert torch.equal(runs[0].sequences, runs[1].sequences), "one seed, one output"
+
+
 def test_generate_samples_a_batch_and_several_sequences_per_prompt(models):
     """Through ``generate``: a sampled batch and ``num_return_sequences`` copies of each prompt decode as one batch,
     reproducibly under one seed."""

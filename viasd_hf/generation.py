@@ -132,6 +132,7 @@ def viasd_generate(
     viasd_check_invariants: bool = False,
     viasd_tokenizer: Any = None,
     drafter_tokenizer: Any = None,
+    viasd_prompt_lookup_num_tokens: int | None = None,
     **model_kwargs: Any,
 ) -> torch.Tensor | ViaSDDecoderOnlyOutput | ViaSDEncoderDecoderOutput:
     """``custom_generate`` callable: VIA-SD decoding of every prompt of ``input_ids`` at once (one prompt is a batch
@@ -143,7 +144,11 @@ def viasd_generate(
     tokenizer drafts through text (``viasd_tokenizer``, ``drafter_tokenizer``: ``generate``'s ``tokenizer`` and
     ``assistant_tokenizer``). Rows that finish early are padded with ``pad_token_id``, as ``generate`` pads them;
     ``viasd_stats`` holds the totals and one ``ViaSDStats`` per row (``BatchViaSDStats``).
+    ``viasd_prompt_lookup_num_tokens``: ``generate``'s ``prompt_lookup_num_tokens``, passed under our own name so
+    that ``generate`` does not take the call for its assisted generation (which refuses ``num_return_sequences``).
     """
+    if viasd_prompt_lookup_num_tokens is not None:
+        generation_config.prompt_lookup_num_tokens = viasd_prompt_lookup_num_tokens  # generate's copy, for this call
     config = ViaSDConfig.for_call(viasd_config)
     check_supported(model, input_ids, generation_config, model_kwargs, drafter)
     translation = drafter_translation(model, drafter, viasd_tokenizer, drafter_tokenizer, viasd_streamer)
@@ -223,9 +228,10 @@ def viasd_generate_kwargs(viasd_config: ViaSDConfig, kwargs: dict[str, Any]) -> 
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         kwargs["stopping_criteria"] = criteria
     for theirs, ours in (("assistant_model", "drafter"), ("streamer", "viasd_streamer"),
-                         ("tokenizer", "viasd_tokenizer"), ("assistant_tokenizer", "drafter_tokenizer")):
-        # generate hands a custom_generate callable none of these; idempotent, so that kwargs rewritten once
-        # (enable_viasd on a mixin class) keep their drafter
+                         ("tokenizer", "viasd_tokenizer"), ("assistant_tokenizer", "drafter_tokenizer"),
+                         ("prompt_lookup_num_tokens", "viasd_prompt_lookup_num_tokens")):
+        # generate hands a custom_generate callable none of these (prompt lookup it would take for its own assisted
+        # generation); idempotent, so that kwargs rewritten once (enable_viasd on a mixin class) keep their drafter
         if kwargs.get(theirs) is not None:
             if kwargs.get(ours) is not None:
                 raise ValueError(f"generate got both {theirs}= and {ours}=: pass one of them")
