@@ -117,14 +117,56 @@ def test_a_set_saves_next_to_the_single_mask_and_rides_in_the_config(target, tmp
         ViaSDConfig(mode="tiered", self_draft_mask=masks)
 
 
-def test_a_single_mask_saved_over_a_set_leaves_that_mask_alone(target, tmp_path):
+def test_a_single_mask_saved_over_a_set_leaves_that_mask_alone_and_says_so(target, tmp_path, caplog):
     two_masks(target).save_pretrained(tmp_path)
     (tmp_path / "masks" / "notes.txt").write_text("the user's own")
     single = RoutingMask.from_model(target, skip=[2])
-    single.save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="viasd_hf"):
+        single.save_pretrained(tmp_path)
+    said = [record.getMessage() for record in caplog.records if record.name == "viasd_hf"]
+    assert len(said) == 1 and "held a mask set; it now holds this one mask" in said[0]
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
         "masks/notes.txt", "routing_mask.json"]
     assert MaskSet.from_pretrained(tmp_path) == MaskSet({"default": single})
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def three_masks(model) -> MaskSet:
+    return MaskSet({"general": RoutingMask.from_model(model, skip=[3]), "code": RoutingMask.from_model(model, skip=[4]),
+                    "chat": RoutingMask.from_model(model, skip=[5])}, default="general")
+
+
+def test_a_save_that_fails_leaves_the_set_on_disk_as_it_was(target, tmp_path):
+    """A member whose metadata JSON cannot hold (a numpy float, accepted when built) fails the save before anything is
+    removed: the three members saved before are all there, byte for byte; so after a failing single-mask save."""
+    import numpy as np
+
+    three_masks(target).save_pretrained(tmp_path)
+    before = files_of(tmp_path)
+    assert len([name for name in before if name.endswith(".json")]) == 4  # three members and the index
+    broken = three_masks(target)
+    broken.masks["code"].metadata["score"] = np.float32(0.5)
+    with pytest.raises(TypeError, match="float32"):
+        broken.save_pretrained(tmp_path)
+    assert files_of(tmp_path) == before
+    single = RoutingMask.from_model(target, skip=[2])
+    single.metadata["score"] = np.float32(0.5)
+    with pytest.raises(TypeError, match="float32"):
+        single.save_pretrained(tmp_path)
+    assert files_of(tmp_path) == before
+
+
+def test_a_config_or_mask_changed_to_a_wrong_value_after_it_was_built_is_refused_when_saved(target, tmp_path):
+    config = ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2]))
+    config.save_pretrained(tmp_path)
+    before = files_of(tmp_path)
+    config.knobs.tau_escalate = 0.9  # above tau_accept
+    with pytest.raises(ValueError, match="tau_accept"):
+        config.save_pretrained(tmp_path)
+    assert files_of(tmp_path) == before
 
 
 # --------------------------------------------------------------------------- the set on the Hub test server

@@ -38,6 +38,18 @@ DEFAULT_LOOKUP_TIMEOUT_S = 3.0
 HUB_MISSES = (HfHubHTTPError, EntryNotFoundError, OfflineModeIsEnabled, HFValidationError)
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it, moved into place only once complete: a write
+    that fails (a full disk, an interrupt) leaves the file as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def viasd_home() -> Path:
     """viasd_hf's own cache root (built-in models, measurements, calibration windows): ``$VIASD_HOME``, else
     ``~/.cache/viasd_hf``."""

@@ -17,7 +17,16 @@ from typing import Any, ClassVar, TypeVar
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 
-from viasd_hf.hub.files import HUB_MISSES, Lookup, commit, describe_miss, fetch, in_folder, not_found_message
+from viasd_hf.hub.files import (
+    HUB_MISSES,
+    Lookup,
+    commit,
+    describe_miss,
+    fetch,
+    in_folder,
+    not_found_message,
+    write_text_atomically,
+)
 
 T = TypeVar("T", bound="HubMixin")
 
@@ -41,11 +50,12 @@ class HubMixin(ABC):
         """The object a file's parsed JSON describes; raises naming the first field that is wrong."""
 
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> Path:
-        """Write ``hub_filename`` into ``save_directory`` (made if missing) and return its path."""
-        directory = Path(save_directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / self.hub_filename
-        path.write_text(self.to_json())
+        """Write ``hub_filename`` into ``save_directory`` (made if missing) and return its path. The object is checked
+        as it would be read back first, and the file replaced only once written whole: a failed save leaves the old
+        file as it was."""
+        text = self.checked_json()  # serialised and checked before anything on disk changes
+        path = Path(save_directory) / self.hub_filename
+        write_text_atomically(path, text)
         return path
 
     def checked_json(self) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 from huggingface_hub import CommitInfo, CommitOperation, CommitOperationAdd, CommitOperationDelete, HfApi
 from torch import nn
 
-from viasd_hf.hub.files import HUB_MISSES, Lookup, NotFoundError, commit, fetch, in_folder
+from viasd_hf.hub.files import HUB_MISSES, Lookup, NotFoundError, commit, fetch, in_folder, write_text_atomically
 from viasd_hf.masks.card import CARD_FILENAME, render_model_card
 from viasd_hf.masks.repo import (
     MASK_FILENAME,
@@ -132,15 +132,16 @@ class MaskSet:
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> Path:
         """Write the members and ``mask_set.json`` into ``save_directory`` (made if missing); returns the index's path.
 
-        A set saved there before is removed first, so no stale member stays beside this set's.
+        A set saved there before is removed, so no stale member stays beside this set's, but only once every member
+        is serialised and checked: a save that fails there leaves the old set as it was. Each file is replaced whole.
         """
         directory = Path(save_directory)
-        remove_mask_set(directory)
-        for name, file in self.files().items():
-            (directory / file).parent.mkdir(parents=True, exist_ok=True)
-            (directory / file).write_text(self.masks[name].to_json())
+        texts = {directory / file: self.masks[name].checked_json() for name, file in self.files().items()}
         index = directory / MASK_SET_FILENAME
-        index.write_text(self.index_json())
+        texts[index] = self.index_json()
+        remove_mask_set(directory)
+        for path, text in texts.items():
+            write_text_atomically(path, text)
         return index
 
     @classmethod

@@ -180,8 +180,13 @@ class RoutingMask(HubMixin):
         A mask set saved there before (``viasd_hf.masks.mask_set``) is removed: the folder would otherwise read
         as that set, with this mask as its default beside stale members the chooser could switch to.
         As transformers' ``save_pretrained`` drops a previous save's stale weight files, the folder then
-        holds this one mask; save a ``MaskSet`` to keep a set.
+        holds this one mask; save a ``MaskSet`` to keep a set. The mask is serialised and checked before anything
+        is removed, so a save that fails leaves the folder as it was.
         """
+        self.checked_json()
+        if (Path(save_directory) / MASK_SET_FILENAME).is_file():
+            logging.getLogger("viasd_hf").warning(  # the user's one line, not this module's own logger
+                "viasd_hf: %s held a mask set; it now holds this one mask (save a MaskSet to keep a set)", save_directory)
         remove_mask_set(Path(save_directory))
         return super().save_pretrained(save_directory)
 
