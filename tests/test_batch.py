@@ -396,6 +396,7 @@ class AtFourteenTokens(StoppingCriteria):
     ({"do_sample": True, "num_return_sequences": 2, "eos_token_id": None,
       "stopping_criteria": StoppingCriteriaList([AtFourteenTokens()])}, "3 prompts x num_return_sequences=2"),
     ({"right_padded": True}, "left-padded.*padding_side='left'"),
+    ({"all_padding": True}, "a prompt of the batch is all padding"),
     ({"eos_token_id": None, "stopping_criteria": StoppingCriteriaList([AtFourteenTokens()])}, "set eos_token_id"),
 ])
 def test_unsupported_requests_are_refused_with_the_fix(pair, request_, match):
@@ -405,6 +406,9 @@ def test_unsupported_requests_are_refused_with_the_fix(pair, request_, match):
     ids, mask = left_padded(rows)
     if request_.pop("right_padded", False):
         ids, mask = ids.flip(-1), mask.flip(-1)
+    if request_.pop("all_padding", False):
+        mask = mask.clone()
+        mask[1] = 0  # a row of nothing but padding: said so, not taken for right padding
     config = {"tiered": ViaSDConfig(mode="tiered", use_slim=False),
               None: ViaSDConfig(use_slim=False)}[request_.pop("viasd_config", None)]
     kwargs = {"assistant_model": assistant, "max_new_tokens": 4, "return_dict_in_generate": True} | GREEDY | request_

@@ -91,3 +91,33 @@ def test_a_valid_file_still_loads_and_round_trips(tmp_path, valid):
     assert mask.to_dict() == valid
     assert mask.kept_layers == [0, 1, 4, 5]
     assert RoutingMask(**valid | {"kept_layers": (5, 0, 4, 1)}).kept_layers == [0, 1, 4, 5]  # tuples are fine
+
+
+def test_routed_names_what_it_takes_instead_of_failing_on_an_attribute():
+    import pytest
+    from torch import nn
+
+    from conftest import tiny_causal_lm
+    from viasd_hf import MaskSet, RoutingMask, UnsupportedArchitectureError, routed
+
+    model = tiny_causal_lm("llama")
+    masks = MaskSet({"general": RoutingMask.from_model(model, skip=[2])})
+    with pytest.raises(TypeError, match=r"routed\(\) takes a RoutingMask, got MaskSet: pass one of its masks"):
+        with routed(model, masks):
+            pass
+    with pytest.raises(UnsupportedArchitectureError, match="Linear is not a transformers model"):
+        with routed(nn.Linear(4, 4), masks.default_mask):
+            pass
+
+
+def test_a_mask_sets_schema_version_of_the_wrong_type_is_named_not_blamed_on_the_version():
+    import pytest
+
+    from conftest import tiny_causal_lm
+    from viasd_hf import MaskSet, RoutingMask, RoutingMaskError
+
+    mask = RoutingMask.from_model(tiny_causal_lm("llama"), skip=[2])
+    with pytest.raises(RoutingMaskError, match="schema_version must be an int, got '1' \\(str\\)"):
+        MaskSet({"general": mask}, schema_version="1")
+    with pytest.raises(RoutingMaskError, match="upgrade viasd_hf"):
+        MaskSet({"general": mask}, schema_version=99)

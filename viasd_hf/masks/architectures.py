@@ -120,6 +120,10 @@ def num_decoder_layers(model: nn.Module) -> int:
 
 
 def _find_layer_list(model: PreTrainedModel) -> nn.ModuleList:
+    if getattr(model, "config", None) is None:
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} is not a transformers model (it has no config), so it has no decoder layers to "
+            "skip; pass the causal LM itself (AutoModelForCausalLM.from_pretrained(...))")
     name = f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r})"
     _refuse_recurrent_layers(model.config, name)
     get_decoder = getattr(model, "get_decoder", None)

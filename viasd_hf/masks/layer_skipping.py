@@ -121,6 +121,9 @@ def routed(model: nn.Module, mask: RoutingMask) -> Iterator[nn.Module]:
     Only calls made in this thread (or this asyncio task) are routed; other threads using the
     same model run it in full.
     """
+    if not isinstance(mask, RoutingMask):
+        hint = ": pass one of its masks (masks.default_mask, or masks.masks[name])" if hasattr(mask, "masks") else ""
+        raise TypeError(f"routed() takes a RoutingMask, got {type(mask).__name__}{hint}")
     mask.validate_for(model)
     with skipping(model, mask.skipped_layers) as routed_model:
         yield routed_model

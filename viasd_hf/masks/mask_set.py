@@ -72,7 +72,10 @@ class MaskSet:
         members = {name: _member(name, mask) for name, mask in self.masks.items()}
         self.default = self.default or next(iter(members))
         self.masks = _default_first(members, self.default)
-        if not isinstance(self.schema_version, int) or self.schema_version > SCHEMA_VERSION:
+        if not isinstance(self.schema_version, int) or isinstance(self.schema_version, bool):
+            raise RoutingMaskError(f"a mask set's schema_version must be an int, got {self.schema_version!r} "
+                                   f"({type(self.schema_version).__name__}); leave it out for this version's")
+        if self.schema_version > SCHEMA_VERSION:
             raise RoutingMaskError(f"mask set schema {self.schema_version!r} is not one this viasd_hf reads; upgrade viasd_hf")
         first_name, first = next(iter(self.masks.items()))
         for name, mask in self.masks.items():

@@ -75,11 +75,11 @@ def check_padding(input_ids: torch.Tensor, model_kwargs: dict[str, Any], refuse:
     if mask.shape != input_ids.shape:
         refuse(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}",
                "pass one mask entry per input token")
+    if not bool(mask.any(-1).all()):
+        refuse("a prompt of the batch is all padding", "drop it or give it at least one token")
     if not bool(mask[:, -1].all()):
         refuse("batched VIA-SD needs left-padded prompts, and some are padded on the right",
                "tokenize with padding_side='left' (tokenizer.padding_side = 'left')")
-    if not bool(mask.any(-1).all()):
-        refuse("a prompt of the batch is all padding", "drop it or give it at least one token")
 
 
 def check_stopping(stopping_criteria: StoppingCriteriaList, refuse: Refuse) -> None:
