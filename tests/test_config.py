@@ -56,3 +56,16 @@ def test_a_config_saved_by_an_earlier_version_loads_and_names_each_field_that_we
     assert all(any(f"field {name}=" in line for line in said) for name in gone)
     with pytest.raises(ValueError, match=r"unknown ViaSDConfig fields \['made_up'\]"):
         ViaSDConfig.from_dict({"made_up": 1})
+
+
+def test_a_relative_path_in_a_saved_config_is_read_beside_the_config(tmp_path, monkeypatch):
+    from conftest import tiny_causal_lm
+    from viasd_hf import RoutingMask
+
+    folder = tmp_path / "my-config"
+    RoutingMask.from_model(tiny_causal_lm("llama"), skip=[2]).save_pretrained(folder / "slim-mask")
+    ViaSDConfig(routing_mask="slim-mask", self_draft_mask="org/hub-masks").save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)  # elsewhere: "slim-mask" names nothing here
+    config = ViaSDConfig.from_pretrained(folder)
+    assert config.routing_mask == str(folder / "slim-mask") and config.self_draft_mask == "org/hub-masks"
+    assert config.vocabulary == "auto"

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from viasd_hf.hub.mixin import HubMixin
@@ -238,6 +239,19 @@ class ViaSDConfig(HubMixin):
     def to_json(self) -> str:
         """The ``viasd_config.json`` text: a ``RoutingMask`` is embedded, a path or Hub repo id kept as a string."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def read_beside(cls, data: Any, folder: Path) -> Any:
+        """A mask or vocabulary a saved config names by a relative path is read beside the config, not from the
+        loader's working folder; a Hub repo id, which names nothing there, stays as it is."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name in ("routing_mask", "self_draft_mask", "vocabulary"):
+            value = data.get(name)
+            if isinstance(value, str) and not Path(value).is_absolute() and (folder / value).exists():
+                data[name] = str(folder / value)
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> ViaSDConfig:

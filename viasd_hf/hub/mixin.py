@@ -134,4 +134,9 @@ class HubMixin(ABC):
             raise cls.malformed_error(f"{file} is not a {cls.hub_kind}: it is not UTF-8 text ({error})") from error
         except json.JSONDecodeError as error:
             raise cls.malformed_error(f"{file} is not valid JSON: {error}") from error
-        return cls.from_dict(data)
+        return cls.from_dict(cls.read_beside(data, file.parent))
+
+    @classmethod
+    def read_beside(cls, data: Any, folder: Path) -> Any:
+        """``data`` as read from a file in ``folder``; a subclass resolves what the file names relative to it."""
+        return data
