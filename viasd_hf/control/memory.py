@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -24,10 +24,33 @@ from viasd_hf.control.tier_controller import FixedChoice, TierController, measur
 from viasd_hf.masks.routing_mask import RoutingMask
 
 ATTRIBUTE = "viasd_tier_memory"
-_CREATING = threading.Lock()  # two first calls on one model must not each create a memory
+_CREATING = threading.Lock()  # two first calls on one model must not each create its state
+State = TypeVar("State", bound="ModelLocal")
 
 
-class TierMemory:
+class ModelLocal:
+    """State kept on one model object (in its ``__dict__``, beside its attributes, not a submodule; ``kept_on``): a
+    copy or a pickle of the model starts without it, since it describes this model object on this machine."""
+
+    def __deepcopy__(self, memo: dict) -> ModelLocal:
+        return type(self)()
+
+    def __reduce__(self) -> tuple:
+        return type(self), ()
+
+
+def kept_on(model: nn.Module, attribute: str, new: Callable[[], State]) -> State:
+    """``model``'s state under ``attribute``, made by ``new`` on first use, once whichever call comes first."""
+    state = model.__dict__.get(attribute)
+    if state is None:
+        with _CREATING:
+            state = model.__dict__.get(attribute)
+            if state is None:
+                state = model.__dict__[attribute] = new()
+    return state
+
+
+class TierMemory(ModelLocal):
     """The tier controllers that have been measuring one model, one per (mask, drafter, mode, thresholds), and the
     draft planners (``draft_planner``), one per (drafter, config, sampling)."""
 
@@ -74,23 +97,10 @@ class TierMemory:
             self._controllers.clear()
             self._planners.clear()
 
-    def __deepcopy__(self, memo: dict) -> TierMemory:
-        return TierMemory()
-
-    def __reduce__(self) -> tuple:
-        return TierMemory, ()
-
 
 def tier_memory(model: nn.Module) -> TierMemory:
     """``model.viasd_tier_memory``, created on first use."""
-    memory = model.__dict__.get(ATTRIBUTE)
-    if memory is None:
-        with _CREATING:
-            memory = model.__dict__.get(ATTRIBUTE)
-            if memory is None:
-                memory = TierMemory()
-                setattr(model, ATTRIBUTE, memory)
-    return memory
+    return kept_on(model, ATTRIBUTE, TierMemory)
 
 
 def tier_choice(

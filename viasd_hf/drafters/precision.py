@@ -27,6 +27,7 @@ import threading
 from torch import nn
 
 from viasd_hf.config import ViaSDConfig
+from viasd_hf.control.memory import ModelLocal, kept_on
 from viasd_hf.control.tier_controller import measures_wall_clock
 from viasd_hf.engine.batch.model_drafts import Reader
 from viasd_hf.extras import quietly as _quietly
@@ -41,29 +42,17 @@ _LOCK = threading.Lock()
 _NOT_YET = object()
 
 
-class DraftingForm:
-    """What ``fastest_form`` made of one model, kept on that model (``model.viasd_drafting_form``, beside its other
-    attributes, not a submodule): its drafting ``copy`` (``None``: it drafts as it is), and, for a model that drafts,
-    its ``reader``. A copy or a pickle of the model starts without it: what was measured describes this model object
-    on this machine."""
+class DraftingForm(ModelLocal):
+    """What ``fastest_form`` made of one model, kept on that model (``model.viasd_drafting_form``): its drafting
+    ``copy`` (``None``: it drafts as it is), and, for a model that drafts, its ``reader``."""
 
     def __init__(self) -> None:
         self.copy: nn.Module | None | object = _NOT_YET
         self.reader: Reader | None = None
 
-    def __deepcopy__(self, memo: dict) -> DraftingForm:
-        return DraftingForm()
-
-    def __reduce__(self) -> tuple:
-        return DraftingForm, ()
-
 
 def _form_of(model: nn.Module) -> DraftingForm:
-    """``model``'s ``DraftingForm``, made on first use (under ``_LOCK``)."""
-    form = model.__dict__.get(ATTRIBUTE)
-    if form is None:
-        form = model.__dict__[ATTRIBUTE] = DraftingForm()
-    return form
+    return kept_on(model, ATTRIBUTE, DraftingForm)
 
 
 def drafter_for_call(drafter: nn.Module | None, config: ViaSDConfig, do_sample: bool) -> nn.Module | None:
