@@ -31,6 +31,7 @@ import viasd_hf.engine.batch.drafting as drafting
 from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.engine.batch import BatchedDecoder, RaggedCache
 from viasd_hf.engine.batch.lookup import PromptLookupDrafter
+from viasd_hf.engine.processors import RowProcessors
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.generation import batch_drafter
 from viasd_hf.vocabulary.head import SubsetHead
@@ -62,7 +63,7 @@ def sample_batch(models, config: ViaSDConfig, seed: int, lookup: bool, stats: li
     drafter = None if self_drafting else drafter
     ids, mask = left_padded([row[0] for row in ROWS])
     torch.manual_seed(seed)
-    forcing = LogitsProcessorList([FirstToken(ids.shape[1]), *processors()])
+    forcing = RowProcessors(LogitsProcessorList([FirstToken(ids.shape[1]), *processors()]), len(ROWS))
     cache = RaggedCache(target.config, len(ROWS), ids.device)
     chosen = batch_drafter(drafter, PromptLookupDrafter(3) if lookup else None, forcing, None, frozenset(), cache,
                            self_drafting=(target, routing) if self_drafting else None, head=head)

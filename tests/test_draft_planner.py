@@ -16,6 +16,7 @@ from viasd_hf.control.draft_planner import (
     weight_bytes,
 )
 from viasd_hf.engine.accept import Draft
+from viasd_hf.engine.processors import RowProcessors
 
 
 def drafted(planner: DraftPlanner, confidence: float, limit: int = 50) -> int:
@@ -203,7 +204,6 @@ def test_each_call_plans_with_its_own_copy_of_the_remembered_planner():
 
 
 def test_drafters_that_differ_in_model_vocabulary_or_skipped_layers_are_measured_apart():
-    from transformers import LogitsProcessorList
 
     from viasd_hf.control.memory import drafter_identity
     from viasd_hf.engine.batch.drafting import BatchAssistant, BatchSelfDrafter
@@ -214,12 +214,12 @@ def test_drafters_that_differ_in_model_vocabulary_or_skipped_layers_are_measured
     config, cpu = ViaSDConfig(), torch.device("cpu")
 
     def assistant(drafter, head=None):
-        return drafter_identity(BatchAssistant(drafter, LogitsProcessorList(), None, frozenset(), 1, cpu, head=head),
+        return drafter_identity(BatchAssistant(drafter, RowProcessors(), None, frozenset(), 1, cpu, head=head),
                                 drafter, config)
 
     def self_drafter(skip):
         cache = RaggedCache(model.config, 1, cpu)
-        drafting = BatchSelfDrafter(model, RoutingMask.from_model(model, skip=skip), cache, LogitsProcessorList(), None,
+        drafting = BatchSelfDrafter(model, RoutingMask.from_model(model, skip=skip), cache, RowProcessors(), None,
                                     frozenset())
         return drafter_identity(drafting, None, config)
 
@@ -227,5 +227,5 @@ def test_drafters_that_differ_in_model_vocabulary_or_skipped_layers_are_measured
                   assistant(model, SubsetHead(model, range(50))), self_drafter([1]), self_drafter([1, 2])}
     assert len(identities) == 6
     assert assistant(model) in identities
-    assert drafter_identity(BatchAssistant(model, LogitsProcessorList(), None, frozenset(), 1, cpu), model,
+    assert drafter_identity(BatchAssistant(model, RowProcessors(), None, frozenset(), 1, cpu), model,
                             ViaSDConfig(drafter_context=256)) not in identities, "reading part of the prompt"

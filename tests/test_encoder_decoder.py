@@ -14,6 +14,7 @@ from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd, routed
 from viasd_hf.engine.batch.drafting import BatchSelfDrafter
 from viasd_hf.engine.batch.loop import BatchedDecoder
 from viasd_hf.engine.batch.ragged_cache import RaggedCache
+from viasd_hf.engine.processors import RowProcessors
 from viasd_hf.engine.sampling import RandomStream, cascade_target
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -72,7 +73,7 @@ def test_t5_lossless_sampling_matches_the_target_distribution():
     model = tiny_t5(seed=4, dtype=torch.float64, vocab_size=vocab)
     slim, heavy = RoutingMask.from_model(model, skip=[2]), RoutingMask.from_model(model, skip=[1, 2, 3, 4])
     ids = torch.tensor([[3, 5, 2, 7, 4, 6]])
-    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7)])
+    processors = RowProcessors(LogitsProcessorList([TemperatureLogitsWarper(0.7)]))
     encoder_outputs = model.get_encoder()(input_ids=ids)
     start = torch.tensor([[model.config.decoder_start_token_id]])
 

@@ -31,6 +31,7 @@ from viasd_hf.engine.batch.drafting import BatchAssistant, BatchHybrid, BatchLoo
 from viasd_hf.engine.batch.lookup import PromptLookupDrafter
 from viasd_hf.engine.batch.loop import BatchedDecoder
 from viasd_hf.engine.batch.ragged_cache import RaggedCache
+from viasd_hf.engine.processors import RowProcessors
 from viasd_hf.engine.sampling import RandomStream, cascade_target, rejection_step
 
 VOCAB = 8
@@ -103,12 +104,12 @@ def run(target, drafter, config, max_new_tokens, seed, prompt_lookup=False, prom
         hybrid=False) -> list[int]:
     """Sample ``max_new_tokens`` after ``prompt``; the call's ``ViaSDStats`` are appended to ``stats``."""
     torch.manual_seed(seed)
-    assistant = BatchAssistant(drafter, processors(), None, frozenset(), 1, prompt.device)
+    assistant = BatchAssistant(drafter, RowProcessors(processors()), None, frozenset(), 1, prompt.device)
     chosen = BatchLookup(PromptLookupDrafter(3)) if prompt_lookup else assistant
     if hybrid:
         chosen = BatchHybrid(BatchLookup(PromptLookupDrafter(3)), assistant)
     decoder = BatchedDecoder(target, chosen, drafter, config, config.routing_mask if config.use_slim else None,
-                             processors(), StoppingCriteriaList(), prompt.shape[1] + max_new_tokens,
+                             RowProcessors(processors()), StoppingCriteriaList(), prompt.shape[1] + max_new_tokens,
                              RaggedCache(target.config, 1, prompt.device), RandomStream.from_global_seed(),
                              check_invariants=True)
     tokens = decoder.run(prompt.clone(), torch.ones_like(prompt)).sequences(None)[0, prompt.shape[1]:].tolist()

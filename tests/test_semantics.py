@@ -16,6 +16,7 @@ from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.batch.drafting import BatchDraft
 from viasd_hf.engine.batch.lookup import PromptLookupDrafter
 from viasd_hf.engine.decisions import forbidden
+from viasd_hf.engine.processors import RowProcessors
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -58,7 +59,7 @@ class ForbiddenDrafter:
     head = mask = None
     compactions = 0
 
-    def __init__(self, processors: LogitsProcessorList) -> None:
+    def __init__(self, processors: RowProcessors) -> None:
         self.processors = processors
         self.proposed: list[int] = []
 
@@ -99,7 +100,7 @@ def forbidden_drafter(monkeypatch):
     made: list[ForbiddenDrafter] = []
 
     def build(*args, **kwargs):
-        processors = next(a for a in [*args, *kwargs.values()] if isinstance(a, LogitsProcessorList))
+        processors = next(a for a in [*args, *kwargs.values()] if isinstance(a, RowProcessors))
         made.append(ForbiddenDrafter(processors))
         return made[-1]
 
@@ -157,10 +158,10 @@ def test_prompt_lookup_cuts_its_draft_before_a_forbidden_token():
     assert PromptLookupDrafter(4).draft(ids, 4).tokens == [13, 14, 11, 12]
     no_repeat = LogitsProcessorList([NoRepeatNGramLogitsProcessor(3)])
     # (11, 12, 13) was seen: 13 is forbidden after 11 12, so every match yields nothing
-    assert PromptLookupDrafter(4, no_repeat, VOCAB).draft(ids, 4).tokens == []
+    assert PromptLookupDrafter(4, RowProcessors(no_repeat), VOCAB).draft(ids, 4).tokens == []
     ids = torch.tensor([[11, 12, 13, 14, 20, 12]])
     # copies 13 14 20 12 after the 12: (20, 12, 13) is new, (12, 13, 14) was seen, so 14 is cut
-    assert PromptLookupDrafter(4, no_repeat, VOCAB).draft(ids, 4).tokens == [13]
+    assert PromptLookupDrafter(4, RowProcessors(no_repeat), VOCAB).draft(ids, 4).tokens == [13]
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -11,7 +11,7 @@ import torch
 from hub_server import serve
 from huggingface_hub import constants
 from test_sampling import TV_BOUND, N, exact_two_token_distribution, next_probs, processors, total_variation
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 from conftest import VOCAB, tiny_causal_lm
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
@@ -20,6 +20,7 @@ from viasd_hf.engine.batch.drafting import BatchAssistant
 from viasd_hf.engine.batch.loop import BatchedDecoder
 from viasd_hf.engine.batch.ragged_cache import RaggedCache
 from viasd_hf.engine.batch.rows import Rows
+from viasd_hf.engine.processors import RowProcessors
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.hub import files as hub_files
 from viasd_hf.masks import repo as mask_repo
@@ -86,7 +87,7 @@ class RecordingDecoder(BatchedDecoder):
 
 def decode(target, drafter, config, do_sample, prompt, max_new_tokens, head=None):
     """One prompt through the decoder, the assistant drafting over ``head``'s vocabulary."""
-    processing = processors() if do_sample else LogitsProcessorList()
+    processing = RowProcessors(processors() if do_sample else None)
     assistant = BatchAssistant(drafter, processing, None, frozenset(), 1, prompt.device, head=head)
     decoder = RecordingDecoder(target, assistant, drafter, config, config.routing_mask if config.use_slim else None,
                                processing, StoppingCriteriaList(), prompt.shape[1] + max_new_tokens,
@@ -166,7 +167,7 @@ def test_lossless_sampling_over_a_vocabulary_is_exact(small_models, use_slim):
 def test_the_drafters_proposal_is_its_softmax_over_the_vocabulary(small_models):
     _, drafter, _ = small_models
     prompt = torch.tensor([[1, 5, 2, 7, 3]])
-    assistant = BatchAssistant(drafter, LogitsProcessorList(), None, frozenset(), 1, prompt.device,
+    assistant = BatchAssistant(drafter, RowProcessors(), None, frozenset(), 1, prompt.device,
                                head=SubsetHead(drafter, SUBSET))
     rows = Rows(prompt, torch.ones_like(prompt), StoppingCriteriaList(), max_length=20)
     assistant.read(rows)

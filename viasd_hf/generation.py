@@ -38,6 +38,7 @@ from viasd_hf.engine.batch.drafting import BatchAssistant, BatchDrafter, BatchHy
 from viasd_hf.engine.batch.lookup import PromptLookupDrafter
 from viasd_hf.engine.batch.model_drafts import Reader
 from viasd_hf.engine.preconditions import check_supported
+from viasd_hf.engine.processors import RowProcessors
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.stats import ViaSDStats
 from viasd_hf.masks.architectures import is_encoder_decoder, model_config
@@ -75,19 +76,19 @@ def end_tokens(generation_config: GenerationConfig) -> frozenset[int]:
 
 
 def prompt_lookup(
-    model: nn.Module, generation_config: GenerationConfig, logits_processor: LogitsProcessorList
+    model: nn.Module, generation_config: GenerationConfig, processors: RowProcessors
 ) -> PromptLookupDrafter | None:
     """Prompt lookup copying ``prompt_lookup_num_tokens`` per draft (``None`` without it), each copy cut before a
     token the logits processors forbid and after an end token."""
     if not generation_config.prompt_lookup_num_tokens:
         return None
     vocab_size = model_config(model).get_text_config().vocab_size
-    return PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, logits_processor, vocab_size,
+    return PromptLookupDrafter(generation_config.prompt_lookup_num_tokens, processors, vocab_size,
                                end_tokens=end_tokens(generation_config))
 
 
 def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter | None,
-                  logits_processor: LogitsProcessorList, confidence_threshold: float | None, end_tokens: frozenset[int],
+                  processors: RowProcessors, confidence_threshold: float | None, end_tokens: frozenset[int],
                   target: RaggedCache, reader: Reader | None = None,
                   self_drafting: tuple[nn.Module, RoutingMask] | None = None, context: int | None = None,
                   head: SubsetHead | None = None, choice: CopyOrDraft | None = None) -> BatchDrafter:
@@ -102,9 +103,9 @@ def batch_drafter(assistant_model: nn.Module | None, lookup: PromptLookupDrafter
         if self_drafting is None:
             raise ValueError("a batch needs a drafter: assistant_model=..., prompt_lookup_num_tokens=... or "
                              "ViaSDConfig(self_draft_mask=...)")
-        return BatchSelfDrafter(*self_drafting, target, logits_processor, confidence_threshold, end_tokens, head)
+        return BatchSelfDrafter(*self_drafting, target, processors, confidence_threshold, end_tokens, head)
     rows, device = target.mask.shape[0], target.mask.device
-    assistant = BatchAssistant(assistant_model, logits_processor, confidence_threshold, end_tokens, rows, device, reader,
+    assistant = BatchAssistant(assistant_model, processors, confidence_threshold, end_tokens, rows, device, reader,
                                context, head)
     return assistant if batch_lookup is None else BatchHybrid(batch_lookup, assistant, choice)
 
@@ -161,7 +162,8 @@ def viasd_generate(
     prompt_mask = torch.ones_like(input_ids) if prompt_mask is None else prompt_mask
     target_cache = RaggedCache(model_config(model), input_ids.shape[0], input_ids.device, model_kwargs.get("cache"),
                                encoder_inputs(model, model_kwargs))
-    lookup = prompt_lookup(model, generation_config, logits_processor)
+    processors = RowProcessors(logits_processor, input_ids.shape[0])  # row by row, each in its place in the batch
+    lookup = prompt_lookup(model, generation_config, processors)
     # a translated drafter drafts over its own whole vocabulary
     head = None if translation is not None else drafter_vocabulary(config.vocabulary, model, drafter,
                                                                     _drafter_id(drafter), lookup is not None)
@@ -173,13 +175,13 @@ def viasd_generate(
         choice = None
         if drafter is not None and lookup is not None and config.knobs.adaptive:  # hybrid drafting copies where it pays
             choice = CopyOrDraft(StaticCosts.for_drafter(model, drafter, None).drafter)
-        chosen = batch_drafter(drafter, lookup, logits_processor, config.knobs.draft_confidence_threshold,
+        chosen = batch_drafter(drafter, lookup, processors, config.knobs.draft_confidence_threshold,
                                end_tokens(generation_config), target_cache, reader, self_drafting,
                                config.drafter_context, head, choice)
     rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
     keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-    decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, logits_processor, stopping_criteria,
+    decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, processors, stopping_criteria,
                              generation_config.max_length, target_cache, rng, viasd_check_invariants, keep_scores,
                              keep_logits, viasd_streamer, emulated_bf16(model))
     rows = decoder.run(input_ids, prompt_mask)

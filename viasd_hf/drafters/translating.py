@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import LogitsProcessorList
 
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.drafters.translation import Translation
@@ -38,6 +37,7 @@ from viasd_hf.engine.batch.lookup import PromptLookupDrafter
 from viasd_hf.engine.batch.model_drafts import Reader
 from viasd_hf.engine.batch.ragged_cache import RaggedCache
 from viasd_hf.engine.batch.rows import Row, Rows
+from viasd_hf.engine.processors import RowProcessors
 from viasd_hf.engine.sampling import RandomStream
 
 
@@ -88,7 +88,7 @@ def translating_drafter(drafter: nn.Module, translation: Translation, lookup: Pr
     where ``lookup`` copies, as ``batch_drafter`` pairs them. It stops at its own special tokens
     (``Translation.drafter_ends``) and below the confidence threshold in its own tokens."""
     rows, device = target.mask.shape[0], target.mask.device
-    assistant = BatchAssistant(drafter, LogitsProcessorList(), config.knobs.draft_confidence_threshold,
+    assistant = BatchAssistant(drafter, RowProcessors(), config.knobs.draft_confidence_threshold,
                                translation.drafter_ends, rows, device, reader, config.drafter_context)
     translating = TranslatingDrafter(assistant, translation)
     return translating if lookup is None else BatchHybrid(BatchLookup(lookup), translating)

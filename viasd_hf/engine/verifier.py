@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from transformers import LogitsProcessorList
 
 from viasd_hf.engine.decisions import allowed_unscaled
 
@@ -37,14 +36,3 @@ class TierLogits:
     def probs(self) -> torch.Tensor:
         return self.scores.softmax(-1)
 
-
-def processed_scores(
-    logits_processor: LogitsProcessorList, ids: torch.Tensor, draft: list[int], logits: torch.Tensor
-) -> torch.Tensor:
-    """Each position's scores (``logits``: ``[len(draft) + 1, vocab]``) as ``generate`` would process them after the
-    committed ``ids`` (``[1, length]``) and the drafts before it."""
-    rows = []
-    for i in range(len(draft) + 1):
-        prefix = torch.cat([ids, ids.new_tensor([draft[:i]])], dim=-1)
-        rows.append(logits_processor(prefix, logits[i : i + 1].float()))
-    return torch.cat(rows, dim=0)

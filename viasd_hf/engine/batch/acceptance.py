@@ -18,7 +18,6 @@ import time
 
 import torch
 from torch import nn
-from transformers import LogitsProcessorList
 
 from viasd_hf.engine.accept import Draft, accept_prefix
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
@@ -30,15 +29,16 @@ from viasd_hf.engine.policies import (
     after_repair,
     decided,
 )
-from viasd_hf.engine.verifier import TierLogits, processed_scores
+from viasd_hf.engine.processors import RowProcessors
+from viasd_hf.engine.verifier import TierLogits
 from viasd_hf.masks.layer_skipping import skipping
 
 
-def row_view(logits: torch.Tensor, row: Row, draft: list[int], processor: LogitsProcessorList, seconds: float,
+def row_view(logits: torch.Tensor, row: Row, draft: list[int], processors: RowProcessors, seconds: float,
              fed: int) -> TierLogits:
     """What one row of a batched pass (``logits``: that row's ``[columns, vocab]``) says about its draft."""
     raw = logits[: len(draft) + 1].float()
-    return TierLogits(raw, processed_scores(processor, row.ids, draft, raw), seconds=seconds, fed=fed)
+    return TierLogits(raw, processors.positions(row.ids, draft, raw, row.origin), seconds=seconds, fed=fed)
 
 
 def full_verdict(rules: VerificationRules, view: TierLogits, draft: Draft, repair: SlimRepair | None,
@@ -58,7 +58,7 @@ def ragged(blocks: list[BlockResult]) -> bool:
 
 
 def scored(model: nn.Module, target: RaggedCache, rows: Rows, drafts: list[list[int]], skipped: list[int] | None,
-           processor: LogitsProcessorList) -> list[TierLogits]:
+           processors: RowProcessors) -> list[TierLogits]:
     """One pass of the target over each row's unprocessed committed tokens and draft (with ``skipped`` layers: the
     slim verifier, its pass provisional): what each row's pass says about its draft (``row_view``)."""
     feeds = [row.unprocessed() + tokens for row, tokens in zip(rows.active, drafts)]
@@ -70,5 +70,5 @@ def scored(model: nn.Module, target: RaggedCache, rows: Rows, drafts: list[list[
     else:
         logits = target.run(model, tokens, real, keep=tokens.shape[1])
     seconds = time.perf_counter() - started
-    return [row_view(logits[i, len(feed) - len(draft) - 1 :], row, draft, processor, seconds, len(feed))
+    return [row_view(logits[i, len(feed) - len(draft) - 1 :], row, draft, processors, seconds, len(feed))
             for i, (row, feed, draft) in enumerate(zip(rows.active, feeds, drafts))]

@@ -18,7 +18,6 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from transformers import LogitsProcessorList
 
 from viasd_hf.control.hybrid_choice import CopyOrDraft
 from viasd_hf.engine.accept import Draft
@@ -26,6 +25,7 @@ from viasd_hf.engine.batch.lookup import PromptLookupDrafter
 from viasd_hf.engine.batch.model_drafts import Reader, drafted_token, kept_prefix, reading_model, unread_window
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
+from viasd_hf.engine.processors import RowProcessors
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.masks.layer_skipping import skipping
 from viasd_hf.masks.routing_mask import RoutingMask
@@ -95,7 +95,7 @@ class _BatchModelDrafting:
     the drafter of one sequence would (``model_drafts``): each row's proposal is the processed softmax over the
     vocabulary, so rejection sampling stays exact."""
 
-    logits_processor: LogitsProcessorList
+    processors: RowProcessors
     confidence_threshold: float | None
     end_tokens: frozenset[int]
     head: SubsetHead | None
@@ -128,7 +128,7 @@ class _BatchModelDrafting:
         """Draft the row's next token from ``logits`` into ``draft``; whether the row may draft another (not after an
         end token or at its limit; with ``stop_when_unsure``, not after a token below the confidence threshold, as
         HF assisted generation: otherwise the planner decides for the batch)."""
-        scores = self.logits_processor(row.extended(draft.tokens), logits.float())
+        scores = self.processors(row.extended(draft.tokens), logits.float(), row.origin)
         chosen = drafted_token(scores, rng is not None, rng)
         if chosen is None:
             return False
@@ -158,12 +158,12 @@ class BatchAssistant(_BatchModelDrafting):
     name = "assistant"
     mask = None
 
-    def __init__(self, model: nn.Module, logits_processor: LogitsProcessorList, confidence_threshold: float | None,
+    def __init__(self, model: nn.Module, processors: RowProcessors, confidence_threshold: float | None,
                  end_tokens: frozenset[int], rows: int, device: torch.device, reader: Reader | None = None,
                  context: int | None = None, head: SubsetHead | None = None) -> None:
         self.model = model
         self.reader = reader  # the same model for long passes (a quantised copy's dequantised twin), if any
-        self.logits_processor = logits_processor
+        self.processors = processors
         self.confidence_threshold = confidence_threshold
         self.end_tokens = end_tokens
         self.context = context
@@ -249,14 +249,14 @@ class BatchSelfDrafter(_BatchModelDrafting):
     name = "self"
     compactions = 0
 
-    def __init__(self, model: nn.Module, mask: RoutingMask, target: RaggedCache, logits_processor: LogitsProcessorList,
+    def __init__(self, model: nn.Module, mask: RoutingMask, target: RaggedCache, processors: RowProcessors,
                  confidence_threshold: float | None, end_tokens: frozenset[int], head: SubsetHead | None = None) -> None:
         mask.validate_for(model)
         self.model = model
         self.mask = mask
         self.skipped = mask.skipped_layers
         self.target = target
-        self.logits_processor = logits_processor
+        self.processors = processors
         self.confidence_threshold = confidence_threshold
         self.end_tokens = end_tokens
         self.head = head
@@ -308,7 +308,7 @@ class BatchLookup:
 
     def draft(self, rows: Rows, limits: list[int], rng: RandomStream | None,
               keep_drafting: KeepDraftingRows | None) -> BatchDraft:
-        return BatchDraft([self.lookup.draft(row.ids[:, row.padding :], limit) if limit > 0 else Draft([], [])
+        return BatchDraft([self.lookup.draft(row.ids, limit, row.padding, row.origin) if limit > 0 else Draft([], [])
                            for row, limit in zip(rows.active, limits)])
 
     def commit(self, rows: Rows) -> None:

@@ -32,7 +32,7 @@ import time
 
 import torch
 from torch import nn
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from viasd_hf.config import ViaSDConfig
@@ -54,6 +54,7 @@ from viasd_hf.engine.policies import (
     slim_repair,
     slim_walk,
 )
+from viasd_hf.engine.processors import RowProcessors
 from viasd_hf.engine.sampling import RandomStream
 from viasd_hf.engine.verifier import TierLogits
 from viasd_hf.masks.routing_mask import RoutingMask
@@ -70,7 +71,7 @@ class BatchedDecoder:
     the rows."""
 
     def __init__(self, model: nn.Module, drafter: BatchDrafter, drafter_model: nn.Module | None, config: ViaSDConfig,
-                 slim_mask: RoutingMask | None, logits_processor: LogitsProcessorList,
+                 slim_mask: RoutingMask | None, processors: RowProcessors,
                  stopping_criteria: StoppingCriteriaList, max_length: int, target: RaggedCache,
                  rng: RandomStream | None = None, check_invariants: bool = False, keep_scores: bool = False,
                  keep_logits: bool = False, streamer: BaseStreamer | None = None, emulated_bf16: bool = False) -> None:
@@ -80,7 +81,7 @@ class BatchedDecoder:
         self.target = target  # the target's cache, empty until ``run`` (the self-drafter drafts on it too)
         self.config = config
         self.skipped = slim_mask.skipped_layers if slim_mask is not None else None
-        self.logits_processor = logits_processor
+        self.processors = processors
         self.stopping_criteria = stopping_criteria
         self.max_length = max_length
         self.check_invariants = check_invariants
@@ -142,7 +143,7 @@ class BatchedDecoder:
         seconds = time.perf_counter() - started
         self.drafter_read.observe_prefill(seconds, real.numel())  # a batched pass computes every column
         fed = real.sum(-1).tolist()
-        views = [row_view(logits[i], row, row_draft, self.logits_processor, seconds, fed[i])
+        views = [row_view(logits[i], row, row_draft, self.processors, seconds, fed[i])
                  for i, (row, row_draft) in enumerate(zip(self.rows.active, draft.tokens))]
         blocks = self.judge(views, draft.tokens, draft, None, None)
         self.commit(blocks, draft)
@@ -321,7 +322,7 @@ class BatchedDecoder:
     def score(self, drafts: list[list[int]], routed: bool) -> list[TierLogits]:
         """One pass of the target (``routed``: the slim verifier) over every row's draft (``acceptance.scored``)."""
         return scored(self.model, self.target, self.rows, drafts, self.skipped if routed else None,
-                      self.logits_processor)
+                      self.processors)
 
     def commit(self, blocks: list[BlockResult], draft: BatchDraft, catch_up: bool = False) -> int:
         """Each row's tokens, until its stopping criteria; the drafter forgets what was not committed. Returns the
