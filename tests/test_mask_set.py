@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,6 +158,42 @@ def test_a_save_that_fails_leaves_the_set_on_disk_as_it_was(target, tmp_path):
     with pytest.raises(TypeError, match="float32"):
         single.save_pretrained(tmp_path)
     assert files_of(tmp_path) == before
+
+
+@pytest.mark.parametrize("failing", ["writing the second file", "moving the third file in"])
+def test_a_save_interrupted_on_disk_leaves_every_old_file(target, tmp_path, monkeypatch, failing):
+    """A write that fails once files are being written (a full disk, an interrupt) leaves the old set whole, byte for
+    byte, and no staging folder: the new files and the old set's removal are one change."""
+    three_masks(target).save_pretrained(tmp_path)
+    before = files_of(tmp_path)
+    calls = {"write_text": 0, "replace": 0}
+    real_write, real_replace = Path.write_text, os.replace
+
+    def write_text(path, *args, **kwargs):
+        calls["write_text"] += 1
+        if failing == "writing the second file" and calls["write_text"] == 2:
+            raise OSError(28, "No space left on device")
+        return real_write(path, *args, **kwargs)
+
+    def replace(source, destination):
+        if "new" in Path(source).parts:
+            calls["replace"] += 1
+            if failing == "moving the third file in" and calls["replace"] == 3:
+                raise KeyboardInterrupt
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    monkeypatch.setattr(hub_files.os, "replace", replace)
+    replacement = MaskSet({"general": RoutingMask.from_model(target, skip=[1]),
+                           "maths": RoutingMask.from_model(target, skip=[2])}, default="general")
+    with pytest.raises((OSError, KeyboardInterrupt)):
+        replacement.save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert files_of(tmp_path) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    replacement.save_pretrained(tmp_path)  # and once the disk is fine, the new set replaces the old one whole
+    assert MaskSet.from_pretrained(tmp_path) == replacement
+    assert sorted(files_of(tmp_path)) == ["mask_set.json", "masks/maths.json", "routing_mask.json"]
 
 
 def test_a_config_or_mask_changed_to_a_wrong_value_after_it_was_built_is_refused_when_saved(target, tmp_path):

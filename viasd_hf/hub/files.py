@@ -13,8 +13,10 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypedDict
 
@@ -38,16 +40,40 @@ DEFAULT_LOOKUP_TIMEOUT_S = 3.0
 HUB_MISSES = (HfHubHTTPError, EntryNotFoundError, OfflineModeIsEnabled, HFValidationError)
 
 
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it, moved into place only once complete: a write
-    that fails (a full disk, an interrupt) leaves the file as it was."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def replace_files(directory: Path, texts: dict[str, str], stale: Iterable[str] = ()) -> None:
+    """Write ``texts`` (file name relative to ``directory`` -> text) and delete the ``stale`` files there, as one
+    change: every new file is written in a staging folder first, then the files it replaces and the stale ones are
+    moved aside and the new ones moved in. A failure at any step moves the old files back, so the folder holds
+    either all of its old files or all of the new ones, never a mixture. Folders emptied of stale files are removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".viasd-save-", dir=directory))  # same file system: moves are renames
+    aside, placed = [], []
     try:
-        temporary.write_text(text)
-        os.replace(temporary, path)
+        for name, text in texts.items():
+            (staging / "new" / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / "new" / name).write_text(text)
+        for name in dict.fromkeys([*texts, *stale]):
+            if (directory / name).is_file():
+                (staging / "old" / name).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(directory / name, staging / "old" / name)
+                aside.append(name)
+        for name in texts:
+            (directory / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / "new" / name, directory / name)
+            placed.append(name)
+    except BaseException:
+        for name in placed:
+            (directory / name).unlink(missing_ok=True)
+        for name in aside:
+            os.replace(staging / "old" / name, directory / name)
+        raise
     finally:
-        temporary.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+    for name in stale:
+        for folder in (directory / name).parents:
+            if folder == directory or not folder.is_relative_to(directory) or any(folder.iterdir()):
+                break
+            folder.rmdir()
 
 
 def viasd_home() -> Path:

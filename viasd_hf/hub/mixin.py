@@ -25,7 +25,7 @@ from viasd_hf.hub.files import (
     fetch,
     in_folder,
     not_found_message,
-    write_text_atomically,
+    replace_files,
 )
 
 T = TypeVar("T", bound="HubMixin")
@@ -54,9 +54,8 @@ class HubMixin(ABC):
         as it would be read back first, and the file replaced only once written whole: a failed save leaves the old
         file as it was."""
         text = self.checked_json()  # serialised and checked before anything on disk changes
-        path = Path(save_directory) / self.hub_filename
-        write_text_atomically(path, text)
-        return path
+        replace_files(Path(save_directory), {self.hub_filename: text})
+        return Path(save_directory) / self.hub_filename
 
     def checked_json(self) -> str:
         """The file's text, once it reads back: checks run when an object is built, and fields may have changed since."""

@@ -27,7 +27,7 @@ from typing import Any
 from huggingface_hub import CommitInfo, CommitOperation, CommitOperationAdd, CommitOperationDelete, HfApi
 from torch import nn
 
-from viasd_hf.hub.files import HUB_MISSES, Lookup, NotFoundError, commit, fetch, in_folder, write_text_atomically
+from viasd_hf.hub.files import HUB_MISSES, Lookup, NotFoundError, commit, fetch, in_folder, replace_files
 from viasd_hf.masks.card import CARD_FILENAME, render_model_card
 from viasd_hf.masks.repo import (
     MASK_FILENAME,
@@ -44,7 +44,7 @@ from viasd_hf.masks.routing_mask import (
     RoutingMaskError,
     check_pushable,
     mask_records,
-    remove_mask_set,
+    saved_set_files,
     search_log_operations,
 )
 
@@ -135,17 +135,15 @@ class MaskSet:
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> Path:
         """Write the members and ``mask_set.json`` into ``save_directory`` (made if missing); returns the index's path.
 
-        A set saved there before is removed, so no stale member stays beside this set's, but only once every member
-        is serialised and checked: a save that fails there leaves the old set as it was. Each file is replaced whole.
+        A set saved there before is replaced, so no stale member stays beside this set's: every member is serialised
+        and checked first, then the new files and the old set's removal are one change (``hub.files.replace_files``),
+        so a save that fails leaves the old set exactly as it was.
         """
         directory = Path(save_directory)
-        texts = {directory / file: self.masks[name].checked_json() for name, file in self.files().items()}
-        index = directory / MASK_SET_FILENAME
-        texts[index] = self.index_json()
-        remove_mask_set(directory)
-        for path, text in texts.items():
-            write_text_atomically(path, text)
-        return index
+        texts = {file: self.masks[name].checked_json() for name, file in self.files().items()}
+        texts[MASK_SET_FILENAME] = self.index_json()
+        replace_files(directory, texts, saved_set_files(directory))
+        return directory / MASK_SET_FILENAME
 
     @classmethod
     def from_pretrained(

@@ -7,7 +7,6 @@ other. It also records how it was found, so a mask pulled from the Hub explains 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -18,7 +17,7 @@ from typing import Any
 from huggingface_hub import CommitInfo, CommitOperation, CommitOperationAdd, CommitOperationDelete, HfApi
 from torch import nn
 
-from viasd_hf.hub.files import Lookup, NotFoundError, commit
+from viasd_hf.hub.files import Lookup, NotFoundError, commit, replace_files
 from viasd_hf.hub.mixin import HubMixin
 from viasd_hf.masks.architectures import config_fingerprint, model_config, num_decoder_layers, protected_layers
 from viasd_hf.masks.card import CARD_FILENAME, card_row, render_model_card
@@ -181,14 +180,17 @@ class RoutingMask(HubMixin):
         as that set, with this mask as its default beside stale members the chooser could switch to.
         As transformers' ``save_pretrained`` drops a previous save's stale weight files, the folder then
         holds this one mask; save a ``MaskSet`` to keep a set. The mask is serialised and checked before anything
-        is removed, so a save that fails leaves the folder as it was.
+        is removed, and the mask and the set's removal are one change (``hub.files.replace_files``): a save that fails
+        leaves the folder as it was.
         """
-        self.checked_json()
-        if (Path(save_directory) / MASK_SET_FILENAME).is_file():
+        text = self.checked_json()
+        directory = Path(save_directory)
+        stale = saved_set_files(directory)
+        if stale:
             logging.getLogger("viasd_hf").warning(  # the user's one line, not this module's own logger
                 "viasd_hf: %s held a mask set; it now holds this one mask (save a MaskSet to keep a set)", save_directory)
-        remove_mask_set(Path(save_directory))
-        return super().save_pretrained(save_directory)
+        replace_files(directory, {MASK_FILENAME: text}, stale)
+        return directory / MASK_FILENAME
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -336,17 +338,13 @@ def search_log_operations(files: list[str], folder: str, search_log: bytes | Non
     return [CommitOperationDelete(path)] if path in files else []
 
 
-def remove_mask_set(directory: Path) -> None:
-    """Delete the mask set saved in ``directory``, if any, but its default member (``routing_mask.json``)."""
-    index = directory / MASK_SET_FILENAME
-    if not index.is_file():
-        return
-    index.unlink()  # first: without its index, the folder already reads as a single mask
-    members = directory / MEMBERS_FOLDER
-    for member in members.glob("*.json"):
-        member.unlink()
-    with contextlib.suppress(OSError):  # a folder left with files of the user's own
-        members.rmdir()
+def saved_set_files(directory: Path) -> list[str]:
+    """The files of a mask set saved in ``directory`` but its default member (``routing_mask.json``), relative to it:
+    its index and its members' files; none where no set is saved there."""
+    if not (directory / MASK_SET_FILENAME).is_file():
+        return []
+    members = sorted(path.relative_to(directory).as_posix() for path in (directory / MEMBERS_FOLDER).glob("*.json"))
+    return [MASK_SET_FILENAME, *members]
 
 
 def check_pushable(mask: RoutingMask, model: nn.Module | None = None) -> None:
