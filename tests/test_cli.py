@@ -332,3 +332,52 @@ def test_a_failure_during_a_run_is_one_line_unless_debug(capsys, monkeypatch):
     assert err == "viasd demo: error: the model would not load (--debug shows where)\n"
     with pytest.raises(RuntimeError, match="would not load"):
         main(["--debug", "demo", "--small"])
+
+
+def test_replay_push_and_pull_check_their_arguments_in_one_line(no_models, files, tmp_path, monkeypatch):
+    """Garbage for every argument: a missing path, an empty folder, a file for a folder, a folder for a file, numbers
+    out of range. Mistakes are one line and exit 2; a pull that finds no mask fails in one line with exit 1."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    empty, a_file, missing = tmp_path / "empty", files["a-file"], tmp_path / "missing"
+    empty.mkdir()
+    for argv, message in [
+        (["replay", str(missing), "--costs", str(a_file)], f"viasd replay: error: {missing}: "),
+        (["replay", str(empty), "--costs", str(a_file)], f"viasd replay: error: {empty}: {empty} holds no models.json"),
+        (["replay", str(a_file), "--costs", str(a_file)], f"viasd replay: error: {a_file}: "),
+        (["replay", str(empty)], "viasd replay: error: give either --costs FILE"),
+        (["replay", str(empty), "--costs", "x", "--measure-costs", "y"], "viasd replay: error: give either --costs FILE"),
+        (["replay", str(empty), "--costs", "x", "--loop"], "viasd replay: error: --loop is measured with --measure-costs"),
+        (["replay", str(empty), "--costs", "x", "--repeats", "-1"], "viasd replay: error: argument --repeats: expected a "
+                                                                    "whole number >= 1, got -1"),
+        (["replay", str(empty), "--costs", "x", "--repeats", "9" * 20], "viasd replay: error: argument --repeats: expected "
+                                                                       "a whole number <= 2147483647"),
+        (["push", str(missing), "--repo-id", "a/b"], f"viasd push: error: MASK_DIR {missing}: no such folder or file"),
+        (["push", str(empty), "--repo-id", "a/b"], f"viasd push: error: MASK_DIR {empty}: not a valid routing mask: no "
+                                                   "routing mask at"),
+        (["push", str(a_file), "--repo-id", "a/b"], f"viasd push: error: MASK_DIR {a_file}: not a valid routing mask: "),
+        (["push", str(empty), "--repo-id", "not a repo"], "viasd push: error: --repo-id not a repo: not a Hub repo id"),
+        (["push", str(empty), "--repo-id", "a/b", "--endpoint", "nope"], "viasd push: error: --endpoint nope: not an "
+                                                                          "http(s) URL"),
+        (["pull", "--target", " ", "--out", str(tmp_path / "o")], "viasd pull: error: --target must name a model"),
+        (["pull", "--target", SMALL, "--drafter", "", "--out", str(tmp_path / "o")], "viasd pull: error: --drafter must "
+                                                                                      "name a model"),
+        (["pull", "--target", SMALL, "--out", str(a_file)], f"viasd pull: error: --out {a_file}: exists and is not a folder"),
+        (["pull", "--target", SMALL, "--out", str(a_file / "o")], f"viasd pull: error: --out {a_file / 'o'}: {a_file} is "
+                                                                   "a file"),
+        (["pull", "--target", SMALL, "--repo-id", "a b", "--out", str(tmp_path / "o")], "viasd pull: error: --repo-id a b:"),
+        (["profile", "--target", str(empty)], f"viasd profile: error: --target {empty}: the folder has no config.json"),
+        (["profile", "--target", str(a_file)], f"viasd profile: error: --target {a_file}: is a file"),
+        (["profile", "--target", SMALL, "--context", "9" * 21], "viasd profile: error: argument --context: expected a "
+                                                                 "whole number <= 2147483647"),
+        (["search", "--target", str(missing), "--out", str(tmp_path / "m")], f"viasd search: error: --target {missing}: "
+                                                                              "no such folder"),
+        (["search", "--target", SMALL, "--iterations", "9" * 12, "--out", str(tmp_path / "m")],
+         "viasd search: error: argument --iterations: expected a whole number <= 2147483647"),
+        (["bench", "--target", SMALL, "--max-new-tokens", "-3"], "viasd bench: error: argument --max-new-tokens: expected "
+                                                                 "a whole number >= 1, got -3"),
+    ]:
+        assert_refused(argv, message)
+    assert_refused(["pull", "--target", "nobody/nothing", "--out", str(tmp_path / "o")],
+                   "viasd pull: error: no routing mask for target 'nobody/nothing' with drafter 'self' (looked in", code=1)
+    assert not (tmp_path / "o").exists()

@@ -66,8 +66,25 @@ def _number(parse: Callable[[str], float], kind: str, check: Callable[[float], b
     return convert
 
 
-positive_int = _number(int, "positive_int", lambda v: v >= 1, "a whole number >= 1")
-non_negative_int = _number(int, "non_negative_int", lambda v: v >= 0, "a whole number >= 0")
+LARGEST_COUNT = 2**31 - 1  # a count beyond this is a typo, and would overflow a tensor's size or an index
+
+
+def _whole(minimum: int, kind: str):
+    """A whole number from ``minimum`` to ``LARGEST_COUNT``."""
+    at_least = _number(int, kind, lambda v: v >= minimum, f"a whole number >= {minimum}")
+
+    def convert(text: str) -> int:
+        value = at_least(text)
+        if value > LARGEST_COUNT:
+            raise argparse.ArgumentTypeError(f"expected a whole number <= {LARGEST_COUNT}, got {text}")
+        return value
+
+    convert.__name__ = kind
+    return convert
+
+
+positive_int = _whole(1, "positive_int")
+non_negative_int = _whole(0, "non_negative_int")
 positive_float = _number(float, "positive_float", lambda v: v > 0 and v != float("inf"), "a number > 0")
 non_negative_float = _number(float, "non_negative_float", lambda v: 0 <= v < float("inf"), "a number >= 0")
 probability = _number(float, "probability", lambda v: 0 <= v <= 1, "a number from 0 to 1")

@@ -82,7 +82,7 @@ def run_pull_command(args: argparse.Namespace) -> int:
             token=args.token,
         )  # fmt: skip
     except RoutingMaskError as error:  # a headline, then where it looked and how to get a mask
-        raise CommandError(str(error)) from None
+        raise CommandError(str(error) if args.debug else _in_one_line(error)) from None
     except MALFORMED_MASK_ERRORS as error:
         raise CommandError(f"the routing mask found is not valid: {first_line(error)}") from None
     if len(masks.masks) == 1:
@@ -91,6 +91,16 @@ def run_pull_command(args: argparse.Namespace) -> int:
         path = masks.save_pretrained(args.out)
     print(f"wrote {path} (from {where}): {_describe(masks)}")
     return 0
+
+
+def _in_one_line(error: RoutingMaskError) -> str:
+    """A not-found message (a headline, every place looked, how to get a mask) as its headline and advice."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    places = [line for line in lines if line.startswith("- ")]
+    headline = lines[0].removesuffix("Looked in:").strip().rstrip(".")
+    advice = [line for line in lines[1:] if not line.startswith("- ")]
+    looked = f" (looked in {len(places)} places; --debug lists them)" if places else ""
+    return " ".join([headline + looked + ".", *advice])
 
 
 def _describe(masks: MaskSet) -> str:
