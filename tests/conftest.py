@@ -29,6 +29,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from viasd_hf.drafters import precision as drafter_precision
+from viasd_hf.engine.clock import Clock
 
 VOCAB = 96
 
@@ -300,35 +301,34 @@ def tokens_fed(args: tuple, kwargs: dict) -> int:
     return args[0].shape[1]
 
 
-class PassClock:
+class PassClock(Clock):
     """A clock that moves only by the prices charged to modules' passes: what decoding costs, without the machine's
     load in it.
 
-    Installed as the decoding loops' ``time`` (``install``), it makes every decision taken on timings (the
-    speculation switch, the drafter's read, the slim tier's controller) the same on any machine, however busy.
+    Installed as every call's clock (``install``), it makes every decision taken on timings (the speculation switch,
+    the drafter's read, the slim tier's controller) the same on any machine, however busy.
     ``charge(module, price)``: each forward call of ``module`` costs ``price`` seconds, or ``price(tokens fed)``.
     Use as a context manager; the hooks go when it exits.
     """
 
     def __init__(self) -> None:
-        self.now = 0.0
+        self.seconds = 0.0
         self.handles = []
 
     def charge(self, module: nn.Module, price) -> PassClock:
         def tick(_, args, kwargs):
-            self.now += price(tokens_fed(args, kwargs)) if callable(price) else price
+            self.seconds += price(tokens_fed(args, kwargs)) if callable(price) else price
 
         self.handles.append(module.register_forward_pre_hook(tick, with_kwargs=True))
         return self
 
-    def perf_counter(self) -> float:
-        return self.now
+    def now(self) -> float:
+        return self.seconds
 
     def install(self, monkeypatch) -> PassClock:
-        from viasd_hf.engine.batch import acceptance, loop
+        from viasd_hf import generation
 
-        for module in (loop, acceptance):
-            monkeypatch.setattr(module, "time", self)
+        monkeypatch.setattr(generation, "call_clock", lambda model: self)
         return self
 
     def __enter__(self) -> PassClock:

@@ -37,6 +37,7 @@ from viasd_hf.engine.batch import BatchedDecoder, RaggedCache, check_batch_suppo
 from viasd_hf.engine.batch.drafting import BatchAssistant, BatchDrafter, BatchHybrid, BatchLookup, BatchSelfDrafter
 from viasd_hf.engine.batch.lookup import PromptLookupDrafter
 from viasd_hf.engine.batch.model_drafts import Reader
+from viasd_hf.engine.clock import call_clock
 from viasd_hf.engine.preconditions import check_supported
 from viasd_hf.engine.processors import RowProcessors
 from viasd_hf.engine.sampling import RandomStream
@@ -183,7 +184,7 @@ def viasd_generate(
     keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, processors, stopping_criteria,
                              generation_config.max_length, target_cache, rng, viasd_check_invariants, keep_scores,
-                             keep_logits, viasd_streamer, emulated_bf16(model))
+                             keep_logits, viasd_streamer, emulated_bf16(model), call_clock(model))
     rows = decoder.run(input_ids, prompt_mask)
     pad = generation_config._pad_token_tensor
     pad = None if pad is None else int(pad.flatten()[0])

@@ -14,14 +14,13 @@ drafts in one block (ragged acceptance), and every committed token is the full m
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
 from viasd_hf.engine.accept import Draft, accept_prefix
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
+from viasd_hf.engine.clock import Clock
 from viasd_hf.engine.policies import (
     BlockResult,
     SlimRepair,
@@ -58,17 +57,17 @@ def ragged(blocks: list[BlockResult]) -> bool:
 
 
 def scored(model: nn.Module, target: RaggedCache, rows: Rows, drafts: list[list[int]], skipped: list[int] | None,
-           processors: RowProcessors) -> list[TierLogits]:
+           processors: RowProcessors, clock: Clock) -> list[TierLogits]:
     """One pass of the target over each row's unprocessed committed tokens and draft (with ``skipped`` layers: the
     slim verifier, its pass provisional): what each row's pass says about its draft (``row_view``)."""
     feeds = [row.unprocessed() + tokens for row, tokens in zip(rows.active, drafts)]
     tokens, real = right_padded(feeds, target.mask.device)
-    started = time.perf_counter()
+    started = clock.now()
     if skipped is not None:
         with target.provisional(), skipping(model, skipped):
             logits = target.run(model, tokens, real, keep=tokens.shape[1])
     else:
         logits = target.run(model, tokens, real, keep=tokens.shape[1])
-    seconds = time.perf_counter() - started
+    seconds = clock.since(started)
     return [row_view(logits[i, len(feed) - len(draft) - 1 :], row, draft, processors, seconds, len(feed))
             for i, (row, feed, draft) in enumerate(zip(rows.active, feeds, drafts))]

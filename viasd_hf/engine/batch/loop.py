@@ -28,7 +28,6 @@ controller are remembered per batch size: passes over more rows cost differently
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 from torch import nn
@@ -45,6 +44,7 @@ from viasd_hf.engine.batch.learning import Learners
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Rows
 from viasd_hf.engine.batch.stats import BatchViaSDStats
+from viasd_hf.engine.clock import Clock
 from viasd_hf.engine.policies import (
     BlockResult,
     SlimRepair,
@@ -74,9 +74,11 @@ class BatchedDecoder:
                  slim_mask: RoutingMask | None, processors: RowProcessors,
                  stopping_criteria: StoppingCriteriaList, max_length: int, target: RaggedCache,
                  rng: RandomStream | None = None, check_invariants: bool = False, keep_scores: bool = False,
-                 keep_logits: bool = False, streamer: BaseStreamer | None = None, emulated_bf16: bool = False) -> None:
+                 keep_logits: bool = False, streamer: BaseStreamer | None = None, emulated_bf16: bool = False,
+                 clock: Clock | None = None) -> None:
         self.model = model
         self.drafter = drafter
+        self.clock = clock if clock is not None else Clock()  # every timing of the call (``engine.clock``)
         self.drafter_model = drafter_model  # its attention steered with the target's (``run``)
         self.target = target  # the target's cache, empty until ``run`` (the self-drafter drafts on it too)
         self.config = config
@@ -101,7 +103,7 @@ class BatchedDecoder:
 
     def run(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rows:
         """Decode every row of ``input_ids`` (left-padded as ``prompt_mask`` says) until each one stops."""
-        started = time.perf_counter()
+        started = self.clock.now()
         self.rows = Rows(input_ids, prompt_mask, self.stopping_criteria, self.max_length, streamer=self.streamer,
                          **self.keep)
         steered = measures_wall_clock(self.config.reproducible, self.config.mode == "lossless", self.rng is not None)
@@ -138,9 +140,9 @@ class BatchedDecoder:
         draft = draft if draft is not None else BatchDraft.empty(len(self.rows))
         drafted, drafted_real = right_padded(draft.tokens, self.target.mask.device)
         tokens, real = torch.cat([input_ids, drafted], dim=-1), torch.cat([prompt_mask.bool(), drafted_real], dim=-1)
-        started = time.perf_counter()
+        started = self.clock.now()
         logits = self.target.run(self.model, tokens, real, keep=draft.longest + 1)
-        seconds = time.perf_counter() - started
+        seconds = self.clock.since(started)
         self.drafter_read.observe_prefill(seconds, real.numel())  # a batched pass computes every column
         fed = real.sum(-1).tolist()
         views = [row_view(logits[i], row, row_draft, self.processors, seconds, fed[i])
@@ -161,9 +163,9 @@ class BatchedDecoder:
         target's cache), the full model reads each prompt but its newest token, which opens the first block."""
         if input_ids.shape[1] <= 1:
             return  # nothing before the token that opens the first block
-        started = time.perf_counter()
+        started = self.clock.now()
         self.target.run(self.model, input_ids[:, :-1], prompt_mask[:, :-1].bool(), keep=1)
-        seconds = time.perf_counter() - started
+        seconds = self.clock.since(started)
         self.drafter_read.observe_prefill(seconds, prompt_mask[:, :-1].numel())
         self.stats.record_prefill(seconds)
         for row in self.rows.active:
@@ -176,9 +178,9 @@ class BatchedDecoder:
     def read_drafts(self) -> float:
         """The drafter reads what the rows committed and it has not read; the seconds it took."""
         tokens = self.unread_tokens()
-        started = time.perf_counter()
+        started = self.clock.now()
         passes = self.drafter.read(self.rows)
-        seconds = time.perf_counter() - started
+        seconds = self.clock.since(started)
         self.record_draft(passes, seconds)
         self.drafter_read.observe_read(seconds, tokens)
         return seconds
@@ -216,7 +218,7 @@ class BatchedDecoder:
             self.plain_step()
             return
         reading = 0.0 if self.drafter_read.done else self.read_drafts()  # decoding began plainly: read, once
-        started = time.perf_counter()
+        started = self.clock.now()
         wants_slim = self.wants_slim()
         owes = any(row.unverified for row in self.rows.active)  # tokens the slim tier committed, unseen by the full model
         draft, drafting = self.draft(slim_may_run=wants_slim)
@@ -236,19 +238,19 @@ class BatchedDecoder:
         self.stats.slim_on_blocks += int(wants_slim and not shadow)
         self.stats.slim_off_blocks += int(not wants_slim or shadow)
         self.stats.slim_shadow_blocks += int(shadow)
-        self.learners.block(draft, blocks, committed, time.perf_counter() - started, drafting, wants_slim or owes,
+        self.learners.block(draft, blocks, committed, self.clock.since(started), drafting, wants_slim or owes,
                             reading, cut_short, self.measures(), len(self.rows))
 
     def plain_step(self) -> None:
         """A block without a draft: one full pass gives one token per row, as ``generate`` decodes a batch."""
-        started = time.perf_counter()
+        started = self.clock.now()
         empty = BatchDraft.empty(len(self.rows))
         blocks = self.verify(empty, None, None)
         committed = self.commit(blocks, empty)
         self.stats.plain_blocks += 1
         for row in self.rows.active:
             row.stats.plain_blocks += 1
-        self.learners.plain(blocks, committed, time.perf_counter() - started, self.measures())
+        self.learners.plain(blocks, committed, self.clock.since(started), self.measures())
 
     def limits(self, slim_may_run: bool) -> list[int]:
         """Each row's longest draft: the block's bound (the planner's, shorter where the slim tier may run, as for one
@@ -265,10 +267,10 @@ class BatchedDecoder:
         """Every row's draft, each as long as ``limits`` allows, and the seconds it took. A drafter that has not read
         the prompts (decoding began plainly) reads what it lacks in its first pass."""
         limits = self.limits(slim_may_run)
-        started = time.perf_counter()
+        started = self.clock.now()
         keep_drafting = self.planner.keep_drafting_rows if self.planner is not None else None
         draft = self.drafter.draft(self.rows, limits, self.rng, keep_drafting)
-        seconds = time.perf_counter() - started
+        seconds = self.clock.since(started)
         self.record_draft(draft.forwards, seconds)
         if self.planner is not None and isinstance(self.planner.costs, MeasuredCosts):
             self.planner.costs.observe_drafting(seconds, draft.forwards)
@@ -322,7 +324,7 @@ class BatchedDecoder:
     def score(self, drafts: list[list[int]], routed: bool) -> list[TierLogits]:
         """One pass of the target (``routed``: the slim verifier) over every row's draft (``acceptance.scored``)."""
         return scored(self.model, self.target, self.rows, drafts, self.skipped if routed else None,
-                      self.processors)
+                      self.processors, self.clock)
 
     def commit(self, blocks: list[BlockResult], draft: BatchDraft, catch_up: bool = False) -> int:
         """Each row's tokens, until its stopping criteria; the drafter forgets what was not committed. Returns the
@@ -375,4 +377,4 @@ class BatchedDecoder:
         stats.total_rows([row.stats for row in self.rows.every_row()])
         stats.compactions = {"target": self.target.compactions, "drafter": self.drafter.compactions}
         self.learners.finish(stats)
-        stats.seconds["total"] = time.perf_counter() - started
+        stats.seconds["total"] = self.clock.since(started)
