@@ -61,14 +61,15 @@ def test_a_switch_resumes_speculation_when_it_starts_paying():
     assert [change["regime"] for change in switch.switches] == ["speculating", "plain"]
 
 
-def test_plain_decoding_gives_way_at_once_when_it_slows_below_what_speculation_measured():
-    """Between probes, plain decoding that slows (a change of load) below speculation's last measure switches back
-    without waiting for the next probe."""
+def test_plain_decoding_that_slows_below_what_speculation_measured_is_probed_early():
+    """Between probes, plain decoding that slows below speculation's last measure (a burst of load, or a lasting
+    change of costs) brings the next probe forward; a lasting change is confirmed by the probes' pairs of nearby
+    blocks, and the switch speculates long before the backed-off schedule would have probed."""
     switch = SpeculationSwitch()
     run(switch, 50, speculative_rate=8.0, plain_rate=10.0)
     next_probe = switch.schedule.due_at
-    assert not switch.speculating and next_probe > 60
-    run(switch, 10, speculative_rate=8.0, plain_rate=4.0)
+    assert not switch.speculating and next_probe > 90
+    run(switch, 60, speculative_rate=8.0, plain_rate=4.0)
     assert switch.speculating and switch.switches[0]["block"] < next_probe
 
 
@@ -113,7 +114,7 @@ def test_a_probe_of_speculation_counts_the_drafters_read_in_full_in_what_it_is_e
     assert not switches[2.0].speculating and switches[2.0].probe_loss() == pytest.approx(
         2 * (3 / 9.5) * (1 - 9.5 / 10) + 2.0)
     assert switches[2.0].schedule.interval == switches[2.0].schedule.longest
-    assert switches[0.0].schedule.interval == 2 * switches[0.0].schedule.every
+    assert switches[0.0].schedule.interval == switches[0.0].schedule.every, "one probe's verdict: checked again soon"
 
 
 def test_a_block_the_length_limit_cut_short_counts_but_measures_nothing():
@@ -414,3 +415,87 @@ def test_the_demo_says_why_where_viasd_decoded_mostly_plainly(monkeypatch):
     rows[1].stats["code"].plain_blocks = 0
     rows[1].stats["edit"].plain_blocks = 40
     assert why_plain(target, rows, measurements) is None  # most blocks speculated: nothing to explain
+
+
+def bursts(blocks: int, seed: int) -> list[float]:
+    """How much slower each block runs: 1, but in bursts of 1 to 8 blocks (about a fifth of all blocks) 5 to 20
+    times, as when short-lived processes share the CPU."""
+    generator, factors = __import__("random").Random(seed), []
+    while len(factors) < blocks:
+        if generator.random() < 0.06:
+            factors += [generator.uniform(5, 20)] * generator.randint(1, 8)
+        else:
+            factors.append(1.0)
+    return factors[:blocks]
+
+
+def run_bursty(switch: SpeculationSwitch, factors: list[float], speculative_rate: float, plain_rate: float) -> list[bool]:
+    """``run``, each block's seconds multiplied by its burst factor."""
+    regimes = []
+    for factor in factors:
+        speculated = switch.speculates()
+        tokens = 3 if speculated else 1
+        switch.observe(speculated, tokens, factor * tokens / (speculative_rate if speculated else plain_rate))
+        regimes.append(speculated)
+    return regimes
+
+
+@pytest.mark.parametrize("speculation_pays", [True, False])
+def test_bursts_of_load_do_not_flip_the_switch(speculation_pays):
+    """Blocks 5-20x slower for a while, at any moment (a probe included), over 20 runs of 600 blocks: the switch keeps
+    the regime that counts and nearby blocks' costs say is faster for nearly all blocks, whichever regime that is. (A
+    switch comparing throughputs measured apart, as this one did before, kept it for a median 78 % of blocks.)"""
+    shares = []
+    for seed in range(20):
+        switch = SpeculationSwitch()
+        regimes = run_bursty(switch, bursts(600, seed), speculative_rate=15.0 if speculation_pays else 7.0,
+                             plain_rate=10.0)
+        shares.append(sum(regime == speculation_pays for regime in regimes[8:]) / len(regimes[8:]))
+        assert switch.speculating == speculation_pays
+    assert sorted(shares)[10] >= 0.95 and min(shares) >= 0.8, sorted(shares)
+
+
+def test_a_burst_during_the_first_probe_is_reversed_by_the_next_probes():
+    """The worst moment: the first probe of speculation runs 20x slower. Speculation is back within a few probes."""
+    switch = SpeculationSwitch()
+    factors = [1.0, 1.0, 20.0, 20.0] + [1.0] * 200
+    regimes = run_bursty(switch, factors, speculative_rate=15.0, plain_rate=10.0)
+    assert regimes[-1] and sum(regimes[100:]) >= 95
+
+
+class BurstyPassClock(PassClock):
+    """A ``PassClock`` whose passes run ``factor`` times dearer while a burst of load lasts: bursts of 5 to 20 times
+    start at seeded moments and last 4 to 40 passes, as short-lived processes sharing the CPU would make them."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.generator = __import__("random").Random(seed)
+        self.burst = (1.0, 0)  # factor, passes left
+
+    def charge(self, module, price) -> PassClock:
+        def dearer(tokens):
+            factor, left = self.burst
+            if left == 0 and self.generator.random() < 0.04:
+                factor, left = self.generator.uniform(5, 20), self.generator.randint(4, 40)
+            self.burst = (factor, left - 1) if left > 0 else (1.0, 0)
+            return (price(tokens) if callable(price) else price) * (factor if left > 0 else 1.0)
+
+        return super().charge(module, dearer)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_call_keeps_speculating_through_bursts_of_load_where_counts_say_it_pays(pair, prompt_ids, monkeypatch,
+                                                                                   single_thread, seed):
+    """Every draft is accepted and a drafter pass costs a tenth of the target's: speculation pays whatever the load.
+    Bursts of load at seeded moments leave the call speculating for most blocks (the switch's own tests measure how
+    many over long runs), and the output is greedy's."""
+    target, drafter = pair
+    with BurstyPassClock(seed) as clock:
+        clock.install(monkeypatch)
+        clock.charge(target, 0.01).charge(drafter, 0.001)
+        out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=ViaSDConfig(use_slim=False),
+                              max_new_tokens=200, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, target.generate(prompt_ids, max_new_tokens=200, do_sample=False))
+    stats = out.viasd_stats
+    assert stats.speculation_verdict.startswith("speculating"), stats.speculation_switches
+    assert stats.plain_blocks <= 0.2 * stats.blocks, (stats.plain_blocks, stats.blocks, stats.speculation_switches)

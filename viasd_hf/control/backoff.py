@@ -38,16 +38,7 @@ class ProbeSchedule:
         self.due_at = step + self.interval
 
     def switched(self, step: int, at_least: int = 0) -> None:
-        """The choice changed at ``step``: probe the old one again soon (after ``at_least`` steps, up to ``longest``)."""
-        self.restart(step)
-        self.interval = min(max(self.interval, at_least), self.longest)
-        self.due_at = step + self.interval
-
-    def undecided(self, step: int) -> None:
-        """A probe ending at ``step`` neither confirmed nor changed the choice: go on probing at the base rate."""
-        self.restart(step)
-
-    def restart(self, step: int) -> None:
-        """The next probe ``every`` steps after ``step``, and the doubling from there."""
-        self.interval = self.every
+        """The choice changed at ``step``, or a probe ending there left it in doubt: probe again soon (after
+        ``at_least`` steps, up to ``longest``), and double from there."""
+        self.interval = min(max(self.every, at_least), self.longest)
         self.due_at = step + self.interval

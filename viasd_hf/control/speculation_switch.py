@@ -49,9 +49,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from statistics import median
 
 from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.faded import FadedMean
+
+PAIRS_KEPT = 5  # cost ratios of nearby blocks the switch takes the median of
+PAIR_DISTANCE = 2  # blocks apart, at most, for two blocks to be measured close together
+RECENT_BLOCKS = 9  # blocks per regime whose median seconds price a probe
+SOLID_PAIRS = 3  # pairs below which a verdict is reconsidered soon, whatever it says
 
 
 @dataclass
@@ -77,7 +83,7 @@ class SpeculationSwitch:
     budget: float = 0.02  # the share of decoding time probes may cost
     speculative: FadedMean = field(default_factory=FadedMean)  # tokens per second
     plain: FadedMean = field(default_factory=FadedMean)
-    block_seconds: dict[bool, FadedMean] = field(default_factory=lambda: {True: FadedMean(), False: FadedMean()})
+    block_seconds: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})  # the latest blocks
     block: int = 0
     probed: int = 0  # blocks of the probe under way
     switches: list[dict] = field(default_factory=list)
@@ -87,6 +93,10 @@ class SpeculationSwitch:
     prefill: FadedMean = field(default_factory=FadedMean)  # the target's seconds per prompt token, over calls
     tail: FadedMean = field(default_factory=FadedMean)  # seconds a speculating batch's call lost at its end, per call
     advice_gap: float = 0.1  # how much slower speculation must measure before the user is told it does not pay
+    tokens: dict[bool, FadedMean] = field(default_factory=lambda: {True: FadedMean(), False: FadedMean()})  # per block
+    pairs: list[float] = field(default_factory=list)  # a speculative block's seconds / a nearby plain block's
+    probe_ended: int = 0  # the block at which the latest probe ended
+    latest: dict[bool, tuple[int, float]] = field(default_factory=dict)  # per regime: its latest block, seconds
 
     def speculates(self) -> bool:
         """Whether the next block drafts."""
@@ -105,20 +115,30 @@ class SpeculationSwitch:
             return
         probing = self.schedule.due(self.block)
         (self.speculative if speculated else self.plain).observe(tokens, self.decay, weight=seconds)
-        self.block_seconds[speculated].observe(seconds, self.decay)
+        self.block_seconds[speculated] = [*self.block_seconds[speculated], seconds][-RECENT_BLOCKS:]
+        self.tokens[speculated].observe(tokens, self.decay)
+        if one_off == 0:  # a block after a read drafted partly in the read: no measure of a block's cost
+            self._pair(speculated, seconds)
         if one_off > 0:
             self.reads.observe(one_off, self.decay)
         self.block += 1
         if not probing:
             if self._other_is_faster():
                 self._switch()
+            elif self._looks_slower() and self.block >= self.probe_ended + self.schedule.every:
+                # a burst of load, or a change of costs: the next blocks measure which (at most every ``every`` blocks)
+                self.schedule.due_at = self.block
+                self.latest.pop(speculated)  # a block that set off a probe is no fair half of a pair: it was slow
             return
         self.probed += 1
         if self.probed < self.probe_blocks:
             return
         self.probed = 0
+        self.probe_ended = self.block
         if self._other_is_faster():
             self._switch()
+        elif self._thin_evidence():  # a burst may have made this verdict: probe again soon, reads allowing
+            self.schedule.switched(self.block, at_least=self._blocks_to_earn_back())
         else:
             self.schedule.confirmed(self.block, at_least=self._blocks_to_earn_back())
 
@@ -160,19 +180,27 @@ class SpeculationSwitch:
         """The seconds a probe of the regime not in use is expected to lose against the one in use, as measured: its
         blocks' shortfall, and for a probe of speculation the whole of the drafter's read before its first draft
         (the context decoded plainly since it last drafted), which no speed of speculation earns back within a probe."""
-        probed, used = not self.speculating, self.speculating
-        rate, other = self._rate(probed), self._rate(used)
-        block = self.block_seconds[probed].mean()
-        if rate is None or other is None or block is None:
+        probed = not self.speculating
+        speedup, block = self.speedup(), self.typical_block(probed)
+        if speedup is None or block is None:
             return 0.0
-        read = (self.reads.mean() or 0.0) if probed else 0.0
-        return self.probe_blocks * block * max(1 - rate / other, 0.0) + read
+        ratio = speedup if probed else 1 / speedup  # the probed regime's throughput over the one in use
+        return self.probe_blocks * block * max(1 - ratio, 0.0) + self.probe_read()
+
+    def typical_block(self, speculated: bool) -> float | None:
+        """The median seconds of the regime's latest blocks: a burst of load inflates a mean for long, not a median."""
+        latest = self.block_seconds[speculated]
+        return median(latest) if latest else None
+
+    def probe_read(self) -> float:
+        """The seconds a probe pays once before its first block: the drafter's read, for a probe of speculation."""
+        return (self.reads.mean() or 0.0) if not self.speculating else 0.0
 
     def clearly_loses(self) -> bool:
         """Whether speculation measured slower than plain decoding by ``advice_gap``: a near tie, as a call's first
         blocks can show while new pass shapes are first run, is no reason to tell the user it does not pay."""
-        speculative, plain = self.speculative.mean(), self.plain.mean()
-        return speculative is not None and plain is not None and speculative < plain * (1 - self.advice_gap)
+        speedup = self.speedup()
+        return speedup is not None and speedup < 1 - self.advice_gap
 
     def verdict(self) -> str:
         """Where the switch stands and why, in words: what ``viasd_stats.speculation_verdict`` reports."""
@@ -180,28 +208,59 @@ class SpeculationSwitch:
         return f"{state}: {self.describe()}"
 
     def describe(self) -> str:
-        speculative, plain = self.speculative.mean(), self.plain.mean()
-        if speculative is None or plain is None:
+        speculative, plain, speedup = self.speculative.mean(), self.plain.mean(), self.speedup()
+        if speculative is None or plain is None or speedup is None:
             return "not yet compared"
-        return f"speculative blocks {speculative:.2f} tokens/s, plain decoding {plain:.2f} tokens/s"
+        paired = f", {speedup:.2f}x from {len(self.pairs)} adjacent pair{'s' * (len(self.pairs) != 1)}" if self.pairs else ""
+        return f"speculative blocks {speculative:.2f} tokens/s, plain decoding {plain:.2f} tokens/s{paired}"
 
-    def _rate(self, speculated: bool) -> float | None:
-        return (self.speculative if speculated else self.plain).mean()
+    def speedup(self) -> float | None:
+        """Speculation's throughput over plain decoding's, from evidence a burst of load cannot fake for long: the
+        tokens a block of each regime commits (counts, faded) over what a speculative block costs in plain blocks,
+        measured in pairs of adjacent blocks (a burst slows both, or the pair is one of ``PAIRS_KEPT`` whose median
+        is taken). Before any pair, the ratio of the two regimes' faded throughputs."""
+        spec_tokens, plain_tokens = self.tokens[True].mean(), self.tokens[False].mean()
+        if self.pairs and spec_tokens and plain_tokens:
+            return spec_tokens / plain_tokens / median(self.pairs)
+        speculative, plain = self.speculative.mean(), self.plain.mean()
+        return speculative / plain if speculative is not None and plain else None
+
+    def _pair(self, speculated: bool, seconds: float) -> None:
+        """A block near one of the other regime (at most ``PAIR_DISTANCE`` blocks before): what the speculative one
+        cost in plain ones, measured close together."""
+        other = self.latest.get(not speculated)
+        if other is not None and self.block - other[0] <= PAIR_DISTANCE and seconds > 0 and other[1] > 0:
+            spec, plain = (seconds, other[1]) if speculated else (other[1], seconds)
+            self.pairs = [*self.pairs, spec / plain][-PAIRS_KEPT:]
+        self.latest[speculated] = (self.block, seconds)
+
+    def _thin_evidence(self) -> bool:
+        """Whether fewer than ``SOLID_PAIRS`` pairs of nearby blocks were measured: a verdict one burst could make."""
+        return len(self.pairs) < SOLID_PAIRS
 
     def _blocks_to_earn_back(self) -> int:
-        """Blocks of the regime in use over which the next probe's expected loss is ``budget`` of the time."""
-        block = self.block_seconds[self.speculating].mean()
+        """Blocks of the regime in use over which the next probe's expected loss is ``budget`` of the time (none while
+        the drafter's read, while the evidence is thin: a verdict one burst could make is checked again soon)."""
+        block = self.typical_block(self.speculating)
         if not block:
             return 0
-        return math.ceil(self.probe_loss() / (self.budget * block))
+        loss = self.probe_read() if self._thin_evidence() else self.probe_loss()
+        return math.ceil(loss / (self.budget * block))
 
-    def _other_is_faster(self) -> bool:
+    def _looks_slower(self) -> bool:
+        """Whether the regime in use now runs below the other's throughput as last measured: a burst of load (which
+        slows both, so a probe's pairs will show it changes nothing) or a change of costs (which a probe's pairs
+        measure). Either way it is cause for a probe, not for a switch."""
         speculative, plain = self.speculative.mean(), self.plain.mean()
         if speculative is None or plain is None:
             return False
-        if self.speculating:
-            return plain > speculative
-        return speculative > plain * (1 + self.margin)
+        return speculative < plain if self.speculating else plain < speculative * (1 - self.margin)
+
+    def _other_is_faster(self) -> bool:
+        speedup = self.speedup()
+        if speedup is None:
+            return False
+        return speedup < 1 if self.speculating else speedup > 1 + self.margin
 
     def _switch(self) -> None:
         self.speculating = not self.speculating
