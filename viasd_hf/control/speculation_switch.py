@@ -16,7 +16,16 @@ Decoding starts plainly, at ``generate``'s own speed, and probes speculation aft
 machine where speculation cannot pay loses one short probe, not the blocks it takes to learn. The
 regime not in use is probed now and then (``backoff.ProbeSchedule``), so a change of text is
 noticed; while probes confirm the choice they grow rare, and a probe that loses much waits long
-enough that probing costs at most 2 % of the decoding time. Plain blocks give the full model's own
+enough that probing costs at most 2 % of the decoding time.
+
+A CPU is rarely quiet: a neighbour's burst of load slows a few blocks five- or twentyfold, and a
+verdict taken from throughputs measured minutes apart would let a burst during a probe decide
+the whole call. So the switch compares the regimes by evidence a burst cannot fake for long
+(``speedup``): the tokens a block of each regime commits are counts, and what a speculative block
+costs in plain blocks is measured in pairs of blocks at most ``PAIR_DISTANCE`` apart (a burst
+slows both halves of a pair, or spoils one of the ``PAIRS_KEPT`` pairs whose median is taken).
+The regime in use running slow only brings the next probe forward, and a verdict resting on fewer
+than ``SOLID_PAIRS`` pairs is checked again soon. Plain blocks give the full model's own
 token, so in lossless greedy decoding the output is the same whichever regime runs; elsewhere the
 regime changes which tokens are drafted and drawn, so the switch runs exactly where measured
 timings may steer a call (``tier_controller.measures_wall_clock``), remembered with the draft planner.
