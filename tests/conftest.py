@@ -301,6 +301,14 @@ def tokens_fed(args: tuple, kwargs: dict) -> int:
     return args[0].shape[1]
 
 
+@pytest.fixture(autouse=True)
+def _verdicts_of_this_test_only(monkeypatch, tmp_path):
+    """What a call learns is kept on disk for the next process (``control.verdicts``): each test starts from nothing."""
+    from viasd_hf.control import verdicts
+
+    monkeypatch.setattr(verdicts, "verdicts_home", lambda: tmp_path / "verdicts")
+
+
 class PassClock(Clock):
     """A clock that moves only by the prices charged to modules' passes: what decoding costs, without the machine's
     load in it.

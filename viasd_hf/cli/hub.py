@@ -99,7 +99,11 @@ def _in_one_line(error: RoutingMaskError) -> str:
     places = [line for line in lines if line.startswith("- ")]
     headline = lines[0].removesuffix("Looked in:").strip().rstrip(".")
     advice = [line for line in lines[1:] if not line.startswith("- ")]
-    looked = f" (looked in {len(places)} places; --debug lists them)" if places else ""
+    if len(places) > 2:  # the Hub's answer says most: a missing repo or revision, no connection
+        hub = next((place[2:] for place in places if "Hub repo" in place), places[0][2:])
+        looked = f" (looked in {len(places)} places, among them {hub}; --debug lists them all)"
+    else:
+        looked = f" (looked in {'; '.join(place[2:] for place in places)})" if places else ""
     return " ".join([headline + looked + ".", *advice])
 
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from statistics import median
+from typing import Any
 
 from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.faded import FadedMean
@@ -150,6 +151,32 @@ class SpeculationSwitch:
             self.schedule.switched(self.block, at_least=self._blocks_to_earn_back())
         else:
             self.schedule.confirmed(self.block, at_least=self._blocks_to_earn_back())
+
+    def durable(self) -> dict[str, Any]:
+        """What this switch learned that holds beyond the process (``control.verdicts``): the regime, the pairs'
+        cost ratios, tokens per block of each regime, the drafter's read and the target's prefill, both relative."""
+        means = {"tokens_speculative": self.tokens[True].mean(), "tokens_plain": self.tokens[False].mean(),
+                 "reading": self.reading.mean(), "speculative": self.speculative.mean(), "plain": self.plain.mean()}
+        return {"speculating": self.speculating, "pairs": list(self.pairs)} | means
+
+    def resume(self, record: dict[str, Any]) -> None:
+        """Start from what an earlier process learned (``durable``), each mean weighing as one block: the first block
+        decodes in the regime it chose, and the other is probed after ``schedule.every`` blocks, not at block
+        ``schedule.first``. A record that does not read as one is ignored: the switch measures afresh."""
+        try:
+            speculating, pairs = bool(record["speculating"]), [float(pair) for pair in record["pairs"]][-PAIRS_KEPT:]
+            means = {name: record[name] for name in ("tokens_speculative", "tokens_plain", "reading", "speculative",
+                                                     "plain")}
+            if any(value is not None and not float(value) > 0 for value in means.values()):
+                return
+        except (KeyError, TypeError, ValueError):
+            return
+        self.speculating, self.pairs = speculating, pairs
+        for mean, name in ((self.tokens[True], "tokens_speculative"), (self.tokens[False], "tokens_plain"),
+                           (self.reading, "reading"), (self.speculative, "speculative"), (self.plain, "plain")):
+            if means[name] is not None:
+                mean.add(float(means[name]))
+        self.schedule.due_at = self.schedule.every
 
     def observe_reading(self, seconds_per_token: float, prefill_seconds_per_token: float) -> None:
         """A read of the drafter (seconds per token it read) beside the target's prefill of the same call."""

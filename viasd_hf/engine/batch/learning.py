@@ -13,10 +13,11 @@ import logging
 from torch import nn
 
 from viasd_hf.config import ViaSDConfig
-from viasd_hf.control.draft_planner import MeasuredCosts, StaticCosts, new_draft_planner
+from viasd_hf.control.draft_planner import DraftPlanner, MeasuredCosts, StaticCosts, new_draft_planner
 from viasd_hf.control.memory import draft_planner, drafter_identity, planner_key, tier_choice, tier_memory
 from viasd_hf.control.speculation_switch import DrafterRead, fallback_advice
 from viasd_hf.control.tier_controller import BlockCost
+from viasd_hf.control.verdicts import recall, remember, verdict_path
 from viasd_hf.engine.batch.drafting import BatchDraft, BatchDrafter
 from viasd_hf.engine.batch.stats import BatchViaSDStats
 from viasd_hf.engine.policies import BlockResult
@@ -33,6 +34,7 @@ class Learners:
                  slim_mask: RoutingMask | None, batch_size: int, sampling: bool, emulated_bf16: bool) -> None:
         self.model = model
         self.drafter = drafter
+        self.drafter_model = drafter_model
         self.batch_size = batch_size
         self.emulated_bf16 = emulated_bf16  # the target is bf16 on a CPU without native bf16 (``advise_fallback``)
         key = (*drafter_identity(drafter, drafter_model, config), batch_size)
@@ -40,9 +42,10 @@ class Learners:
         self.controller = tier_choice(model, slim_mask, key, config, sampling) if chooses_tier else None
         self.planner_key = planner_key(key, slim_mask, config, sampling) if config.knobs.adaptive else None
         self.planner = None
+        self.verdict = None  # where this machine keeps the switch's verdict for the next process (``control.verdicts``)
         if config.knobs.adaptive:
-            self.planner = draft_planner(model, self.planner_key, lambda: new_draft_planner(
-                StaticCosts.for_drafter(model, drafter_model, drafter.mask), config, do_sample=sampling))
+            self.planner = draft_planner(model, self.planner_key, lambda: self.new_planner(
+                StaticCosts.for_drafter(model, drafter_model, drafter.mask), config, sampling, drafter_model))
         self.switch = self.planner.switch if self.planner is not None else None
         # where this call's switches start in the remembered controller's and speculation switch's records
         self._first_tier_switch = len(self.controller.switches) if self.controller is not None else 0
@@ -50,6 +53,16 @@ class Learners:
         # the seconds of the speculative blocks at the call's end (``add_to_tail``), and their tokens per row × rows
         self.tail = [0.0, 0.0]
         self.drafter_read = DrafterRead(self.switch)  # the drafter reads the prompts before its first draft
+
+    def new_planner(self, costs: StaticCosts, config: ViaSDConfig, sampling: bool,
+                    drafter_model: nn.Module | None) -> DraftPlanner:
+        """A planner for the first call of this process on its key; its switch resumes from what an earlier process
+        learned on this machine (``control.verdicts``)."""
+        planner = new_draft_planner(costs, config, do_sample=sampling)
+        if planner.switch is not None and self.planner_key is not None:
+            self.verdict = verdict_path(self.model, drafter_model, self.planner_key)
+            recall(planner.switch, self.verdict)
+        return planner
 
     def plain(self, blocks: list[BlockResult], committed: int, seconds: float, measures: bool) -> None:
         """A plain block (one token per row, one full pass): its pace, and a verifying pass's cost."""
@@ -128,3 +141,5 @@ class Learners:
             stats.speculation_verdict = self.drafter_read.verdict or self.switch.verdict()
         if self.planner_key is not None:
             tier_memory(self.model).remember_planner(self.planner_key, self.planner)
+            if self.switch is not None:
+                remember(self.switch, self.verdict or verdict_path(self.model, self.drafter_model, self.planner_key))

@@ -1,0 +1,81 @@
+"""What a pair's calls learned is kept on disk per machine and read by a new process's first call, so it starts in the
+regime that measured faster: a short answer does not spend its first blocks deciding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import PassClock, tiny_causal_lm
+from viasd_hf import ViaSDConfig, enable_viasd
+from viasd_hf.control import verdicts
+from viasd_hf.control.speculation_switch import SpeculationSwitch
+
+CONFIG = ViaSDConfig(use_slim=False)
+
+
+@pytest.fixture
+def pair(single_thread):
+    target = enable_viasd(tiny_causal_lm("llama", seed=0))
+    return target, tiny_causal_lm("llama", seed=0)  # the same weights: every draft is accepted
+
+
+def call(pair, clock, max_new_tokens=12):
+    target, drafter = pair
+    ids = torch.randint(2, 96, (1, 10), generator=torch.Generator().manual_seed(0))
+    out = target.generate(ids, assistant_model=drafter, viasd_config=CONFIG, max_new_tokens=max_new_tokens,
+                          do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, target.generate(ids, viasd_config=None, max_new_tokens=max_new_tokens,
+                                                      do_sample=False))
+    return out.viasd_stats
+
+
+def new_process(target) -> None:
+    """What a new process has of the model: nothing kept on the object."""
+    target.viasd_tier_memory.reset()
+
+
+@pytest.mark.parametrize("drafter_cost, regime", [(0.001, "speculating"), (0.05, "plain decoding")])
+def test_a_new_processs_first_call_starts_in_the_regime_measured_faster(pair, monkeypatch, drafter_cost, regime):
+    target, drafter = pair
+    with PassClock() as clock:
+        clock.install(monkeypatch)
+        clock.charge(target, 0.01).charge(drafter, drafter_cost)
+        first = call(pair, clock, max_new_tokens=80)
+        assert first.speculation_verdict.startswith(regime) and first.plain_blocks >= 2, "it began plainly, learning"
+        assert len(list(verdicts.verdicts_home().glob("*.json"))) == 1
+        new_process(target)
+        short = call(pair, clock)
+    if regime == "speculating":  # the short answer's blocks all speculate, the prompt's pass carrying a draft
+        assert short.plain_blocks == 0 and short.drafted_tokens > 0
+    else:  # no probe of speculation in a short answer: the drafter never runs
+        assert short.plain_blocks == short.blocks and short.drafter_forwards == 0
+
+
+def test_an_unreadable_verdict_is_ignored_and_replaced(pair, monkeypatch):
+    target, drafter = pair
+    with PassClock() as clock:
+        clock.install(monkeypatch)
+        clock.charge(target, 0.01).charge(drafter, 0.001)
+        call(pair, clock, max_new_tokens=80)
+        [path] = verdicts.verdicts_home().glob("*.json")
+        for broken in ("{not json", json.dumps({"speculating": True, "pairs": ["x"]}), json.dumps([1, 2])):
+            path.write_text(broken)
+            new_process(target)
+            stats = call(pair, clock)
+            assert stats.plain_blocks >= 2, "it began plainly, as with nothing remembered"
+            assert json.loads(path.read_text())["pairs"], "and kept what it learned"
+
+
+def test_a_switch_resumes_what_it_made_durable():
+    switch = SpeculationSwitch()
+    for _ in range(40):
+        speculated = switch.speculates()
+        switch.observe(speculated, 3 if speculated else 1, 0.2 if speculated else 0.1)
+    resumed = SpeculationSwitch()
+    resumed.resume(json.loads(json.dumps(switch.durable())))
+    assert resumed.speculating and resumed.speculates()
+    assert resumed.speedup() == pytest.approx(switch.speedup())
+    assert resumed.schedule.due_at == resumed.schedule.every, "the other regime is probed after a while, not at once"
