@@ -236,8 +236,7 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
 def run_bench_command(args: argparse.Namespace) -> int:
     """Check the arguments, load the pair, run every method on every prompt, then save and print the figures."""
     # Here, not at the top: the scorers the runner imports (rouge_score, sacrebleu) take about a second to load.
-    from viasd_hf.bench.fidelity import full_model_agreement
-    from viasd_hf.bench.runner import encode, machine_bandwidth_gb_s, run_methods, summarise
+    from viasd_hf.bench.runner import encode, full_model_agreement, machine_bandwidth_gb_s, run_methods, summarise
     from viasd_hf.bench.traces import CallTracer, decoding_models
 
     names, examples, mask, self_mask = check_bench_args(args)
