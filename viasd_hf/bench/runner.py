@@ -22,7 +22,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,9 +116,12 @@ def run_methods(
     repeats: int = 1,
     temperature: float | None = None,
     tracer: CallTracer | None = None,
+    load: AbstractContextManager[object] | None = None,
 ) -> dict[str, MethodRuns]:
     """Decode every example with every method, interleaved; greedy unless ``temperature`` is given (seeded alike);
-    with ``tracer``, every timed call's passes are recorded (:mod:`viasd_hf.bench.traces`)."""
+    with ``tracer``, every timed call's passes are recorded (:mod:`viasd_hf.bench.traces`). ``load`` (a background
+    load, :mod:`viasd_hf.bench.load`) is held from the first timed call to the last: what the warm-up measures
+    and caches for later runs (kernels, the drafter's form) is not measured under it."""
     if not examples or not methods or repeats < 1:  # refused before the run: a summary of nothing would crash after it
         raise ValueError(
             f"nothing to run: {len(examples)} examples, {len(methods)} methods, {repeats} repeats (each must be >= 1)"
@@ -139,7 +142,7 @@ def run_methods(
     names = list(methods)
     with tqdm(total=len(encoded) * repeats * len(names), desc="viasd bench", unit="run") as bar, (
         tracer.tracing() if tracer else nullcontext()
-    ):
+    ), load or nullcontext():
         for index, ids in enumerate(encoded):
             for name in names:
                 runs[name].seconds.append([])
