@@ -4,6 +4,7 @@ batched greedy, and refuses what a batch cannot compare."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,17 @@ def test_the_sweep_decodes_every_batch_size_in_batches_of_that_size_and_matches_
         shapes.append((input_ids.shape[0], viasd_config is not None))
         return enabled_generate(input_ids, *args, viasd_config=viasd_config, **kwargs)
 
+    @contextmanager
+    def load():
+        shapes.append("load on")
+        yield
+        shapes.append("load off")
+
     monkeypatch.setattr(generation, "enabled_generate", recording)  # what enable_viasd binds
-    rows = run_batch_sweep(target, drafter, ViaSDConfig(use_slim=False), prompts, [2, 4], max_new_tokens=6, pad_token_id=PAD)
-    timed = shapes[4:]  # after the four warm-up calls
+    rows = run_batch_sweep(target, drafter, ViaSDConfig(use_slim=False), prompts, [2, 4], max_new_tokens=6, pad_token_id=PAD,
+                           load=load())
+    assert shapes[4] == "load on" and shapes[-1] == "load off", "a --load is held over the timed calls only"
+    timed = shapes[5:-1]  # after the four warm-up calls
     one_at_a_time = [(1, False)] * 5 + [(1, True)] * 5  # HF assisted, then VIA-SD, one prompt each
     assert timed[:10] == one_at_a_time
     assert sorted(timed[10:]) == sorted([(2, False), (2, True)] * 2 + [(1, False), (1, True)] + [(4, False), (4, True)]

@@ -1,4 +1,4 @@
-"""Full-model agreement (``viasd_hf.bench.fidelity``): each generated token judged teacher-forced, on its own."""
+"""Full-model agreement (``viasd_hf.bench.runner``): each generated token judged teacher-forced, on its own."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import torch
 from test_bench import outcome
 
 from conftest import tiny_causal_lm, tiny_t5
-from viasd_hf.bench.fidelity import full_model_agreement, full_model_choices
-from viasd_hf.bench.runner import MethodRuns, summarise
+from viasd_hf.bench.runner import MethodRuns, full_model_agreement, full_model_choices, summarise
 from viasd_hf.data.tasks import Example
 
 pytestmark = pytest.mark.usefixtures("single_thread")

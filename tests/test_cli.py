@@ -104,6 +104,9 @@ def test_bench_checks_its_arguments_before_loading_models(no_models, files, tmp_
         ([*prompts, "--quantize", "draftr=4bit"], "argument --quantize: expected drafter=SCHEME,target=SCHEME, got"),
         ([*prompts, "--quantize", "target=4bit,target=int8"], "argument --quantize: the target is named twice"),
         ([*prompts, "--methods", "greedy,hf_assisted_bf16"], "--methods: hf_assisted_bf16 compares with a quantised pair"),
+        ([*prompts, "--load", "heavy"], "argument --load: invalid choice: 'heavy'"),
+        ([*prompts, "--load-workers", "0"], "argument --load-workers: expected a whole number >= 1, got 0"),
+        ([*prompts, "--load-workers", "2"], "--load-workers: give the load they run, --load steady or --load bursty"),
         ([*prompts, "--json", str(files["a-file"] / "out.json")], f"--json {files['a-file'] / 'out.json'}: "
                                                                   f"{files['a-file']} is a file"),
         ([*prompts, "--json", str(tmp_path)], f"--json {tmp_path}: is a folder; give a file name"),
@@ -127,7 +130,8 @@ def test_bench_checks_its_arguments_before_loading_models(no_models, files, tmp_
     ]:
         assert_refused([*ok, *prompts, *argv], error + message)
     with pytest.raises(ModelLoaded):  # and valid arguments get as far as loading the models
-        run_cli([*ok, *prompts, "--limit", "1", "--json", str(tmp_path / "new" / "out.json"), "--plots", str(tmp_path / "p")])
+        run_cli([*ok, *prompts, "--limit", "1", "--json", str(tmp_path / "new" / "out.json"), "--plots", str(tmp_path / "p"),
+                 "--load", "bursty", "--load-workers", "2"])
 
 
 def test_profile_checks_its_arguments_before_loading_models(no_models):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -98,8 +99,10 @@ def run_batch_sweep(
     max_new_tokens: int,
     pad_token_id: int,
     repeats: int = 1,
+    load: AbstractContextManager[object] | None = None,
 ) -> list[BatchRow]:
-    """Batched greedy and batched lossless VIA-SD at each of ``batch_sizes``, and the one-at-a-time references."""
+    """Batched greedy and batched lossless VIA-SD at each of ``batch_sizes``, and the one-at-a-time references;
+    ``load`` held around the timed calls, after the warm-up (as in :func:`viasd_hf.bench.runner.run_methods`)."""
     if not prompts or not batch_sizes or repeats < 1 or any(size < 1 for size in batch_sizes):
         raise ValueError(f"nothing to run: {len(prompts)} prompts, batch sizes {batch_sizes}, {repeats} repeats")
     enable_viasd(target)
@@ -116,7 +119,9 @@ def run_batch_sweep(
                         (several, {"viasd_config": None}), (several, {"assistant_model": drafter, "viasd_config": config})):
         decoder(target, short, eos, **extra)(*warm)
     batches = sum(-(-len(prompts) // size) for size in batch_sizes)
-    with tqdm(total=(2 * batches + 2 * len(prompts)) * repeats, desc="viasd bench (batches)", unit="run") as bar:
+    with tqdm(total=(2 * batches + 2 * len(prompts)) * repeats, desc="viasd bench (batches)", unit="run") as bar, (
+        load or nullcontext()
+    ):
         hf_one, _ = _tokens_per_s(hf_assisted, prompts, pad_token_id, repeats, bar)
         viasd_one, _ = _tokens_per_s(viasd, prompts, pad_token_id, repeats, bar)
         rows = [_batch_row(size, greedy, viasd, prompts, pad_token_id, repeats, bar) for size in batch_sizes]

@@ -125,10 +125,11 @@ def source_revision(package: Path | None = None) -> dict[str, str | bool | None]
     return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
 
 
-def environment(bandwidth_gb_s: float | None = None) -> dict[str, Any]:
+def environment(bandwidth_gb_s: float | None = None, load: dict[str, Any] | None = None) -> dict[str, Any]:
     """Versions, threads and hardware: a ratio means little without the machine it was measured on; and the
     commit of the source that measured it. ``bandwidth_gb_s``: the machine's measured memory bandwidth, where the
-    caller measured it."""
+    caller measured it; ``load``: the background load the figures were measured under
+    (:meth:`viasd_hf.bench.load.Load.record`), where the caller started one or chose none."""
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
@@ -146,6 +147,7 @@ def environment(bandwidth_gb_s: float | None = None) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine_bandwidth_gb_s": bandwidth_gb_s,
+        "load": load,
         "attention_kernels": {  # what the measured kernel choice (viasd_hf.engine.attention) settled on in this run
             f"{bucket.attention.__name__} {str(bucket.dtype).removeprefix('torch.')} rows<={bucket.query_rows} "
             f"cache<={bucket.kv_length}": choice

@@ -4,6 +4,13 @@ Speed is only comparable within one run (machine load moves absolute tokens/s by
 measured: docs/design.md, "Benchmarking"), so the methods alternate prompt by prompt (the order rotates, so
 none always runs first), after a warm-up of each. Each prompt's time is the median over ``repeats``; a method's
 speed-up is the median over prompts of its tokens/s divided by greedy's on the same prompt.
+
+Agreement with greedy's output, position by position, says little in bf16: the first near-tie that flips
+with a pass's shape shifts everything after it, so even lossless methods score well below 1 there
+(docs/results.md, "Tiered mode"). Full-model agreement judges each generated token on its own, teacher-forced:
+one pass of the full model over the prompt and the method's output gives its greedy choice at every position.
+A lossless method scores 1.0 up to rounding (greedy's own score is that noise floor); a lossy tier (the slim
+verifier, a cascade) scores below it by the share of tokens the full model would not have chosen.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,9 +116,12 @@ def run_methods(
     repeats: int = 1,
     temperature: float | None = None,
     tracer: CallTracer | None = None,
+    load: AbstractContextManager[object] | None = None,
 ) -> dict[str, MethodRuns]:
     """Decode every example with every method, interleaved; greedy unless ``temperature`` is given (seeded alike);
-    with ``tracer``, every timed call's passes are recorded (:mod:`viasd_hf.bench.traces`)."""
+    with ``tracer``, every timed call's passes are recorded (:mod:`viasd_hf.bench.traces`). ``load`` (a background
+    load, :mod:`viasd_hf.bench.load`) is held from the first timed call to the last: what the warm-up measures
+    and caches for later runs (kernels, the drafter's form) is not measured under it."""
     if not examples or not methods or repeats < 1:  # refused before the run: a summary of nothing would crash after it
         raise ValueError(
             f"nothing to run: {len(examples)} examples, {len(methods)} methods, {repeats} repeats (each must be >= 1)"
@@ -132,7 +142,7 @@ def run_methods(
     names = list(methods)
     with tqdm(total=len(encoded) * repeats * len(names), desc="viasd bench", unit="run") as bar, (
         tracer.tracing() if tracer else nullcontext()
-    ):
+    ), load or nullcontext():
         for index, ids in enumerate(encoded):
             for name in names:
                 runs[name].seconds.append([])
@@ -160,6 +170,28 @@ def agreement(ours: list[list[int]], greedy: list[list[int]]) -> float:
     same = sum(sum(a == b for a, b in zip(mine, theirs)) for mine, theirs in zip(ours, greedy))
     total = sum(len(theirs) for theirs in greedy)
     return same / total if total else 1.0
+
+
+@torch.no_grad()
+def full_model_choices(model: Any, prompt: torch.Tensor, tokens: list[int]) -> int:
+    """How many of ``tokens`` (generated after ``prompt``, shape (1, P)) are the full model's greedy choice there."""
+    if not tokens:
+        return 0
+    generated = prompt.new_tensor([tokens])
+    sequence = torch.cat([prompt, generated[:, :-1]], dim=-1).to(model.device)
+    logits = model(sequence, logits_to_keep=len(tokens)).logits[0]
+    return int((logits.argmax(-1).cpu() == generated[0].cpu()).sum())
+
+
+def full_model_agreement(model: Any, prompts: list[torch.Tensor], outputs: dict[str, list[list[int]]]) -> dict[str, list[int]]:
+    """Per method, per prompt: how many generated tokens the full model would have chosen (one pass per distinct output)."""
+    if model.config.is_encoder_decoder:
+        raise ValueError("full-model agreement is measured for decoder-only targets only")
+    judged: dict[tuple[int, tuple[int, ...]], int] = {}
+    distinct = {(index, tuple(tokens)) for runs in outputs.values() for index, tokens in enumerate(runs)}
+    for index, tokens in tqdm(sorted(distinct), desc="full-model agreement", unit="output"):
+        judged[index, tokens] = full_model_choices(model, prompts[index], list(tokens))
+    return {name: [judged[index, tuple(tokens)] for index, tokens in enumerate(runs)] for name, runs in outputs.items()}
 
 
 def _work(outcomes: list[Outcome]) -> dict[str, Any]:
@@ -229,7 +261,7 @@ def _speed(runs: MethodRuns, greedy: MethodRuns, indexes: list[int]) -> dict[str
 
 
 def _full_model_agreement(runs: MethodRuns, agreed: list[int] | None, indexes: list[int]) -> dict[str, float]:
-    """Share of the generated tokens that were the full model's own choice (``fidelity``), where it was measured."""
+    """Share of the generated tokens that were the full model's own choice, where it was measured."""
     tokens = sum(len(runs.outcomes[i].tokens) for i in indexes)
     if agreed is None or not tokens:
         return {}
@@ -251,7 +283,7 @@ def summarise(
     """The JSON contract: per method speed, work, quality (macro-averaged over tasks) and per-task breakdowns.
 
     ``full_agreement[name][i]``: how many of the method's tokens on prompt ``i`` were the full model's own
-    greedy choice (``fidelity``); pooled over tokens, not averaged over tasks.
+    greedy choice (:func:`full_model_agreement`); pooled over tokens, not averaged over tasks.
 
     ``weight_bytes[name]`` is the bytes of weights the method keeps (target, plus the drafter if it
     uses one); its peak memory is that plus the most it allocated on top while decoding. Effective bandwidth is gpt-fast's figure: tokens/s × bytes of the target's weights.

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from viasd_hf.bench.load import LOADS, Load
 from viasd_hf.bench.methods import (
     ABLATIONS,
     FLOAT32_TARGET_SUFFIX,
@@ -107,6 +108,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
                         help="load the drafter and/or target quantised for every method (a scheme of viasd_hf.models."
                         f"quantization, int8, 4bit or auto); add {UNQUANTIZED_REFERENCE} to compare with HF on the bf16 pair")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--load", default="none", choices=LOADS, help="time the calls beside a CPU load the bench "
+                        "starts: busy processes, steady or on and off on a fixed schedule (docs/benchmarking.md)")
+    parser.add_argument("--load-workers", type=positive_int, metavar="N", help="busy processes of --load (default: 1)")
     parser.add_argument("--mask", help="VIA-SD routing mask (folder / JSON / Hub id; default: the mask known for the pair)")
     parser.add_argument("--self-draft-mask", help="self_spec's drafting mask (default: the target's known self mask)")
     parser.add_argument("--gamma", type=positive_int, default=5, help="draft tokens per block for every drafting method of ours")
@@ -191,6 +195,8 @@ def _check_batch_args(args: argparse.Namespace) -> None:
 
 def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example], RoutingMask | None, RoutingMask | None]:
     """Everything that can be checked before the models load (minutes): methods, models, outputs, prompts, masks."""
+    if args.load_workers and args.load == "none":
+        raise UsageError("--load-workers: give the load they run, --load steady or --load bursty")
     if args.batch_size:
         _check_batch_args(args)
     names = _method_names(args.methods)
@@ -236,8 +242,7 @@ def check_bench_args(args: argparse.Namespace) -> tuple[list[str], list[Example]
 def run_bench_command(args: argparse.Namespace) -> int:
     """Check the arguments, load the pair, run every method on every prompt, then save and print the figures."""
     # Here, not at the top: the scorers the runner imports (rouge_score, sacrebleu) take about a second to load.
-    from viasd_hf.bench.fidelity import full_model_agreement
-    from viasd_hf.bench.runner import encode, machine_bandwidth_gb_s, run_methods, summarise
+    from viasd_hf.bench.runner import encode, full_model_agreement, machine_bandwidth_gb_s, run_methods, summarise
     from viasd_hf.bench.traces import CallTracer, decoding_models
 
     names, examples, mask, self_mask = check_bench_args(args)
@@ -269,7 +274,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     methods = MethodTable(target, drafter, mask, self_mask, settings, unquantized, float32_target,
                           other_drafter).build(names)
     tracer = CallTracer(args.traces, lambda: decoding_models(target, drafter)) if args.traces else None
-    runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature, tracer)
+    load = Load(args.load, args.load_workers or 1)
+    runs = run_methods(methods, tokenizer, examples, args.max_new_tokens, args.repeats, args.temperature, tracer,
+                       load.running())
     if drafting_copy(drafter) is not None:  # reported beside --quantize's choices: what our lossless decoders drafted with
         quantized["drafter, as VIA-SD drafts (its fastest form here)"] = resolve_drafting_form(drafter)
     weights = {name: _weight_bytes(float32_target if _in_float32(name) else target)
@@ -284,7 +291,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         full_agreement = full_model_agreement(target, prompts, {name: [o.tokens for o in r.outcomes] for name, r in runs.items()})
     summary = summarise(runs, examples, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), weights,
                         full_agreement)
-    env = environment(machine_bandwidth_gb_s())
+    env = environment(machine_bandwidth_gb_s(), load.record())
     if args.json:  # first, so that nothing printed below can lose the run
         report = _report(args, summary, env, examples, mask, self_mask, runs, tokenizer, quantized)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -305,8 +312,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print("\n".join(verdicts))
     for role, choice in quantized.items():
         print(f"{role} quantised: {choice.scheme.name} ({choice.reason})")
-    print(f"\n{env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · {_dtypes(target, drafter)} · "
-          f"machine copy bandwidth {env['machine_bandwidth_gb_s']:.1f} GB/s · {env['date']}")
+    print(f"\n{env['cpu']} · {env['torch_threads']} threads · {load} · torch {env['torch']} · "
+          f"{_dtypes(target, drafter)} · machine copy bandwidth {env['machine_bandwidth_gb_s']:.1f} GB/s · {env['date']}")
     if args.json:
         print(f"wrote {args.json}")
     if args.plots:
@@ -332,16 +339,17 @@ def run_batch_sweep_command(args: argparse.Namespace, examples: list[Example], m
     config = ViaSDConfig.paper(mode="lossless", routing_mask=mask, **settings.drafting())
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts = [encode(tokenizer, example.prompt) for example in examples]
-    rows = run_batch_sweep(target, drafter, config, prompts, args.batch_size, args.max_new_tokens, pad, args.repeats)
-    env = environment(machine_bandwidth_gb_s())
+    load = Load(args.load, args.load_workers or 1)
+    rows = run_batch_sweep(target, drafter, config, prompts, args.batch_size, args.max_new_tokens, pad, args.repeats,
+                           load.running())
+    env = environment(machine_bandwidth_gb_s(), load.record())
     if args.json:
         report = _run_record(args, env, examples) | {"batches": batch_report(rows)}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(batch_markdown(rows))
-    print(f"\n{len(prompts)} prompts · {env['cpu']} · {env['torch_threads']} threads · torch {env['torch']} · "
-          f"{_dtypes(target, drafter)} · "
-          f"{env['date']}")
+    print(f"\n{len(prompts)} prompts · {env['cpu']} · {env['torch_threads']} threads · {load} · "
+          f"torch {env['torch']} · {_dtypes(target, drafter)} · {env['date']}")
     if args.json:
         print(f"wrote {args.json}")
     return 0

@@ -1,7 +1,7 @@
 """Where lossless VIA-SD's tokens are not the full model's teacher-forced argmax in bf16, how far off are they?
 
 Lossless decoding is token-identical to ``generate`` in fp32 (the tests), yet its full-model agreement
-(``viasd_hf/bench/fidelity.py``) is below 1 in bf16. This decodes some prompts with lossless VIA-SD
+(``full_model_agreement`` in ``viasd_hf/bench/runner.py``) is below 1 in bf16. This decodes some prompts with lossless VIA-SD
 and, at every token that is not the teacher-forced pass's argmax, prints the gap between the top
 logit and the token's logit, and whether the token was the second choice. Gaps of 0 or one bf16 step
 (0.0625 near 15) are rounding ties, not a lossy decision.
