@@ -169,7 +169,7 @@ def test_ablated_methods_switch_off_their_lever_and_stay_lossless(table):
 def test_a_reproducible_method_drafts_with_the_drafter_as_given(table, monkeypatch):
     import viasd_hf.drafters.precision as precision
 
-    def no_faster_form(drafter):
+    def no_faster_form(drafter, shards=None):
         raise AssertionError("asked for the drafter's fastest form")
 
     monkeypatch.setattr(precision, "fastest_form", no_faster_form)

@@ -41,6 +41,7 @@ from viasd_hf.engine.clock import call_clock
 from viasd_hf.engine.preconditions import check_supported
 from viasd_hf.engine.processors import RowProcessors
 from viasd_hf.engine.sampling import RandomStream
+from viasd_hf.engine.shards import Shards, from_rank_zero, shards_of
 from viasd_hf.engine.stats import ViaSDStats
 from viasd_hf.masks.architectures import is_encoder_decoder, model_config
 from viasd_hf.masks.mask_set import MaskSet
@@ -48,7 +49,7 @@ from viasd_hf.masks.resolver import CallMasks, masks_for_call
 from viasd_hf.masks.routing_mask import RoutingMask
 from viasd_hf.models.machine import emulated_bf16
 from viasd_hf.vocabulary.head import SubsetHead
-from viasd_hf.vocabulary.lookup import drafter_vocabulary
+from viasd_hf.vocabulary.lookup import drafter_vocabulary, resolve_vocabulary
 
 
 @dataclass
@@ -156,8 +157,9 @@ def viasd_generate(
     translation = drafter_translation(model, drafter, viasd_tokenizer, drafter_tokenizer, viasd_streamer)
     check_batch_supported(model, input_ids, generation_config, drafter, viasd_streamer, stopping_criteria, model_kwargs)
     do_sample = bool(generation_config.do_sample)
-    drafter = drafter_for_call(drafter, config, do_sample)
-    masks = call_masks(model, config, generation_config, drafter)
+    shards = shards_of(model)  # a sharded target's ranks take rank 0's choices (docs/design.md, "Sharded targets")
+    drafter = drafter_for_call(drafter, config, do_sample, shards)
+    masks = from_rank_zero(shards, lambda: call_masks(model, config, generation_config, drafter))
     slim_mask = masks.slim.default_mask if isinstance(masks.slim, MaskSet) else masks.slim
     prompt_mask = None if is_encoder_decoder(model) else model_kwargs.get("attention_mask")  # the encoder's, there
     prompt_mask = torch.ones_like(input_ids) if prompt_mask is None else prompt_mask
@@ -166,8 +168,7 @@ def viasd_generate(
     processors = RowProcessors(logits_processor, input_ids.shape[0])  # row by row, each in its place in the batch
     lookup = prompt_lookup(model, generation_config, processors)
     # a translated drafter drafts over its own whole vocabulary
-    head = None if translation is not None else drafter_vocabulary(config.vocabulary, model, drafter,
-                                                                    _drafter_id(drafter), lookup is not None)
+    head = None if translation is not None else call_head(model, config, drafter, lookup is not None, shards)
     reader = drafting_reader(drafter) if drafter is not None else None
     if translation is not None:
         chosen = translating_drafter(drafter, translation, lookup, config, target_cache, reader)
@@ -179,7 +180,7 @@ def viasd_generate(
         chosen = batch_drafter(drafter, lookup, processors, config.knobs.draft_confidence_threshold,
                                end_tokens(generation_config), target_cache, reader, self_drafting,
                                config.drafter_context, head, choice)
-    rng = RandomStream.from_global_seed() if do_sample else None  # every random draw of the call
+    rng = call_random_stream(shards) if do_sample else None  # every random draw of the call
     keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, processors, stopping_criteria,
@@ -200,6 +201,22 @@ def viasd_generate(
     if is_encoder_decoder(model):
         return ViaSDEncoderDecoderOutput(**outputs)
     return ViaSDDecoderOnlyOutput(**outputs)
+
+
+def call_head(model: nn.Module, config: ViaSDConfig, drafter: nn.Module | None, copies: bool,
+              shards: Shards | None) -> SubsetHead | None:
+    """The drafting model's LM head cut to the call's draft vocabulary (``drafter_vocabulary``; ``copies``: prompt
+    lookup drafts), the vocabulary found by rank 0 on a sharded target: every rank must draft alike."""
+    vocabulary = from_rank_zero(shards, lambda: resolve_vocabulary(config.vocabulary, model, _drafter_id(drafter)))
+    return drafter_vocabulary(vocabulary, model, drafter, _drafter_id(drafter), copies)
+
+
+def call_random_stream(shards: Shards | None) -> RandomStream:
+    """The call's random numbers, seeded from torch's global generator (``RandomStream``). On a sharded target every
+    rank draws its seed, so the global generators stay in step, and samples with rank 0's: ranks seeded apart would
+    accept different drafts and run passes of different shapes."""
+    seed = RandomStream.from_global_seed().seed
+    return RandomStream(from_rank_zero(shards, lambda: seed))
 
 
 def encoder_inputs(model: nn.Module, model_kwargs: dict[str, Any]) -> dict[str, Any] | None:

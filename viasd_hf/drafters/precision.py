@@ -30,12 +30,13 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.memory import ModelLocal, kept_on
 from viasd_hf.control.tier_controller import measures_wall_clock
 from viasd_hf.engine.batch.model_drafts import Reader
+from viasd_hf.engine.shards import Shards, from_rank_zero, shards_of
 from viasd_hf.extras import quietly as _quietly
 from viasd_hf.models.quantization import UNQUANTIZED
 from viasd_hf.models.quantization.choice import resolve_drafting_form
 from viasd_hf.models.quantization.measure import converted
 from viasd_hf.models.quantization.reader import dequantized_twin, fewest_tokens_for_twin
-from viasd_hf.models.quantization.schemes import Scheme
+from viasd_hf.models.quantization.schemes import FORMS, Scheme
 
 ATTRIBUTE = "viasd_drafting_form"  # where a model keeps what was made of it for drafting (``DraftingForm``)
 _LOCK = threading.Lock()
@@ -55,37 +56,51 @@ def _form_of(model: nn.Module) -> DraftingForm:
     return kept_on(model, ATTRIBUTE, DraftingForm)
 
 
-def drafter_for_call(drafter: nn.Module | None, config: ViaSDConfig, do_sample: bool) -> nn.Module | None:
-    """The model that drafts for this call: the drafter's fastest form where its precision cannot change the output."""
+def drafter_for_call(drafter: nn.Module | None, config: ViaSDConfig, do_sample: bool,
+                     shards: Shards | None = None) -> nn.Module | None:
+    """The model that drafts for this call: the drafter's fastest form where its precision cannot change the output
+    (for a sharded target's ``shards``, the form rank 0 measured)."""
     if drafter is None or not measures_wall_clock(config.reproducible, config.mode == "lossless", do_sample):
         return drafter
-    return fastest_form(drafter)
+    return fastest_form(drafter, shards)
 
 
 def convertible(drafter: nn.Module) -> bool:
-    """An unquantised model on CPU in a form that is measured (float64 stays: it asks for exactness, not speed)."""
+    """An unquantised model on CPU in a form that is measured (float64 stays: it asks for exactness, not speed), whole
+    on this rank (a sharded model's passes are collectives, which rank 0 cannot run alone to measure them)."""
     if getattr(drafter, "hf_quantizer", None) is not None or drafter.device.type != "cpu":
+        return False
+    if shards_of(drafter) is not None:
         return False
     if any(type(module).__module__.startswith("torch.ao.nn.quantized") for module in drafter.modules()):
         return False  # quantised after loading (torch.ao's dynamic int8)
     return drafter.dtype in {form.dtype for form in UNQUANTIZED.values()}
 
 
-def fastest_form(drafter: nn.Module) -> nn.Module:
+def fastest_form(drafter: nn.Module, shards: Shards | None = None) -> nn.Module:
     """The drafter's copy in its fastest form on this machine, made on its first call; the drafter itself when it
-    is in that form already or cannot be converted. Calls wait for one another, so one copy is made."""
+    is in that form already or cannot be converted. Calls wait for one another, so one copy is made. Drafting for a
+    target sharded over ``shards``, every rank drafts in the form, and reads from the length, that rank 0 measured:
+    the ranks' drafts must be the same (``engine.shards``)."""
     with _LOCK, _quietly():
         kept = _form_of(drafter)
         if kept.copy is _NOT_YET:
-            form = resolve_drafting_form(drafter, progress=False).scheme if convertible(drafter) else None
+            name = from_rank_zero(shards, lambda: measured_form(drafter))
+            form = FORMS[name] if name is not None else None
             made = None if form is None or in_form(drafter, form) else converted(drafter, form)
             drafting = drafter if made is None else made  # a drafter quantised by its user drafts as it is
             twin = dequantized_twin(drafting)  # before a first pass packs a bitsandbytes model's weights
             if twin is not None:
-                _form_of(drafting).reader = Reader(twin, fewest_tokens_for_twin(drafting, twin))
+                fewest = from_rank_zero(shards, lambda: fewest_tokens_for_twin(drafting, twin))
+                _form_of(drafting).reader = Reader(twin, fewest)
             kept.copy = made
         copy = kept.copy
     return drafter if copy is None else copy
+
+
+def measured_form(drafter: nn.Module) -> str | None:
+    """The name of the form ``drafter`` drafts fastest in on this machine; ``None`` where it is not converted."""
+    return resolve_drafting_form(drafter, progress=False).scheme.name if convertible(drafter) else None
 
 
 def in_form(drafter: nn.Module, form: Scheme) -> bool:

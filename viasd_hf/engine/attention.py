@@ -33,7 +33,8 @@ reads the implementation's name other than through ``ALL_ATTENTION_FUNCTIONS`` (
 ``"sdpa"``, or keeps an ``AttentionInterface`` of its own) is not switched, nor is one off the CPU.
 
 Both kernels compute the same attention; they round differently (in bf16 visibly), so the choice
-is left to measurement only where timings may steer the output (``tier_controller.measures_wall_clock``).
+is left to measurement only where timings may steer the output (``tier_controller.measures_wall_clock``), and never
+in a call on a sharded model, whose ranks must compute the same drafts (``_sharded``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, PretrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from viasd_hf.engine.shards import shards_of
 
 STEERED = "viasd_fastest"  # the attention implementation a steered call's models run: SDPA, or a kernel measured faster
 LONGEST_QUERY = 64  # query rows beyond this are a prefill: SDPA's own ground
@@ -108,8 +111,9 @@ def forget_kernel_choices() -> None:
 def fastest_attention(models: Iterable[nn.Module | None], enabled: bool = True) -> Iterator[None]:
     """Within this context (this thread or task only), short-query attention of ``models`` (``None`` entries and
     repeats are ignored) runs the kernel measured fastest; each model's attention implementation is as it was after
-    it, also after an exception."""
-    if not enabled:
+    it, also after an exception. A call with a sharded model (``_sharded``) runs SDPA throughout."""
+    models = _distinct(models)
+    if not enabled or _sharded(models):
         yield
         return
     configs = _switch(models)
@@ -119,6 +123,16 @@ def fastest_attention(models: Iterable[nn.Module | None], enabled: bool = True) 
     finally:
         _STEERED.reset(token)
         _switch_back(configs)
+
+
+def _sharded(models: list[nn.Module]) -> bool:
+    """Whether a model is sharded over ranks (``engine.shards``). Every rank must then compute the same drafts, and a
+    kernel timed on each rank may be chosen differently on each, rounding differently; rank 0 cannot choose for all
+    either, since the choice is taken inside a pass, per bucket, and remembered for the process (an unsharded call
+    timed on one rank alone would leave the ranks of the next sharded call waiting for each other). So the kernel is not
+    timed: SDPA, as the sharded model's own ``generate`` runs; off the CPU, where sharding pays, nothing is steered
+    anyway."""
+    return any(shards_of(model) is not None for model in models)
 
 
 def _switch(models: Iterable[nn.Module | None]) -> list[PretrainedConfig]:

@@ -357,9 +357,15 @@ def converted(model: nn.Module, form: Scheme | None, checkpoint: Path | None = N
 
 @contextmanager
 def saved_checkpoint(model: nn.Module) -> Iterator[Path]:
-    """The model saved in a temporary folder (its config and safetensors weights), removed on leaving."""
+    """The model saved in a temporary folder (its config and safetensors weights), removed on leaving. Written on every
+    rank of a distributed run, where ``save_pretrained`` writes on rank 0 alone (``should_save_on_this_rank``: a
+    checkpoint the ranks share); this folder is the process's own, and every rank converts its own drafter."""
     with tempfile.TemporaryDirectory(prefix="viasd-form-") as folder:
-        model.save_pretrained(folder)
+        model.__dict__["should_save_on_this_rank"] = lambda is_main_process: is_main_process
+        try:
+            model.save_pretrained(folder)
+        finally:
+            del model.__dict__["should_save_on_this_rank"]
         yield Path(folder)
 
 
