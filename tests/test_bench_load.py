@@ -158,7 +158,6 @@ def test_the_load_ends_when_the_bench_fails_or_is_interrupted(error):
     assert len(workers) == 2 and all(worker.process.poll() is not None for worker in workers)
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="reads the orphaned worker with psutil as POSIX reports it")
 def test_a_worker_ends_itself_when_the_bench_dies():
     """A bench that dies without stopping its load (killed) closes the workers' pipes: they end themselves. The
     stand-in bench loads the module by path, as the workers run it, to start in milliseconds."""

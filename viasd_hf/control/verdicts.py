@@ -53,11 +53,9 @@ def stable(key: Hashable, drafter_id: int) -> Hashable:
     return "drafter model" if key == drafter_id and type(key) is int else key
 
 
-def recall(switch: SpeculationSwitch, path: Path) -> None:
-    """Start ``switch`` from the verdict at ``path``, where one was written."""
-    record = read_record(path)
-    if record is not None:
-        switch.resume(record)
+def recall(path: Path) -> dict | None:
+    """The verdict written at ``path`` (``SpeculationSwitch.durable``), if one was and it reads as JSON."""
+    return read_record(path)
 
 
 def remember(switch: SpeculationSwitch, path: Path) -> None:

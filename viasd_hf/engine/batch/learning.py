@@ -21,6 +21,7 @@ from viasd_hf.control.verdicts import recall, remember, verdict_path
 from viasd_hf.engine.batch.drafting import BatchDraft, BatchDrafter
 from viasd_hf.engine.batch.stats import BatchViaSDStats
 from viasd_hf.engine.policies import BlockResult
+from viasd_hf.engine.shards import from_rank_zero, shards_of
 from viasd_hf.masks.routing_mask import RoutingMask
 
 logger = logging.getLogger("viasd_hf")
@@ -61,7 +62,9 @@ class Learners:
         planner = new_draft_planner(costs, config, do_sample=sampling)
         if planner.switch is not None and self.planner_key is not None:
             self.verdict = verdict_path(self.model, drafter_model, self.planner_key)
-            recall(planner.switch, self.verdict)
+            record = from_rank_zero(shards_of(self.model), lambda: recall(self.verdict))  # every rank resumes alike
+            if record is not None:
+                planner.switch.resume(record)
         return planner
 
     def plain(self, blocks: list[BlockResult], committed: int, seconds: float, measures: bool) -> None:
