@@ -30,6 +30,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEnc
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import StaticCosts
 from viasd_hf.control.hybrid_choice import CopyOrDraft
+from viasd_hf.control.verdicts import VerdictStore
 from viasd_hf.drafters.precision import drafter_for_call, drafting_reader
 from viasd_hf.drafters.translating import translating_drafter
 from viasd_hf.drafters.translation import drafter_translation
@@ -47,7 +48,7 @@ from viasd_hf.masks.architectures import is_encoder_decoder, model_config
 from viasd_hf.masks.mask_set import MaskSet
 from viasd_hf.masks.resolver import CallMasks, masks_for_call
 from viasd_hf.masks.routing_mask import RoutingMask
-from viasd_hf.models.machine import emulated_bf16
+from viasd_hf.models.machine import emulated_bf16, machine_key
 from viasd_hf.vocabulary.head import SubsetHead
 from viasd_hf.vocabulary.lookup import drafter_vocabulary, resolve_vocabulary
 
@@ -185,7 +186,8 @@ def viasd_generate(
     keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     decoder = BatchedDecoder(model, chosen, drafter, config, slim_mask, processors, stopping_criteria,
                              generation_config.max_length, target_cache, rng, viasd_check_invariants, keep_scores,
-                             keep_logits, viasd_streamer, emulated_bf16(model), call_clock(model))
+                             keep_logits, viasd_streamer, emulated_bf16(model), call_clock(model),
+                             VerdictStore(machine_key))
     rows = decoder.run(input_ids, prompt_mask)
     pad = generation_config._pad_token_tensor
     pad = None if pad is None else int(pad.flatten()[0])

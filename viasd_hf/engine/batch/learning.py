@@ -17,7 +17,7 @@ from viasd_hf.control.draft_planner import DraftPlanner, MeasuredCosts, StaticCo
 from viasd_hf.control.memory import draft_planner, drafter_identity, planner_key, tier_choice, tier_memory
 from viasd_hf.control.speculation_switch import DrafterRead, fallback_advice
 from viasd_hf.control.tier_controller import BlockCost
-from viasd_hf.control.verdicts import recall, remember, verdict_path
+from viasd_hf.control.verdicts import VerdictStore
 from viasd_hf.engine.batch.drafting import BatchDraft, BatchDrafter
 from viasd_hf.engine.batch.stats import BatchViaSDStats
 from viasd_hf.engine.policies import BlockResult
@@ -32,10 +32,12 @@ class Learners:
     is measured) and what each block teaches them."""
 
     def __init__(self, model: nn.Module, drafter: BatchDrafter, drafter_model: nn.Module | None, config: ViaSDConfig,
-                 slim_mask: RoutingMask | None, batch_size: int, sampling: bool, emulated_bf16: bool) -> None:
+                 slim_mask: RoutingMask | None, batch_size: int, sampling: bool, emulated_bf16: bool,
+                 verdicts: VerdictStore | None = None) -> None:
         self.model = model
         self.drafter = drafter
         self.drafter_model = drafter_model
+        self.verdicts = verdicts  # this machine's verdicts from earlier processes, and for later ones
         self.batch_size = batch_size
         self.emulated_bf16 = emulated_bf16  # the target is bf16 on a CPU without native bf16 (``advise_fallback``)
         key = (*drafter_identity(drafter, drafter_model, config), batch_size)
@@ -60,9 +62,9 @@ class Learners:
         """A planner for the first call of this process on its key; its switch resumes from what an earlier process
         learned on this machine (``control.verdicts``)."""
         planner = new_draft_planner(costs, config, do_sample=sampling)
-        if planner.switch is not None and self.planner_key is not None:
-            self.verdict = verdict_path(self.model, drafter_model, self.planner_key)
-            record = from_rank_zero(shards_of(self.model), lambda: recall(self.verdict))  # every rank resumes alike
+        if planner.switch is not None and self.planner_key is not None and self.verdicts is not None:
+            self.verdict = self.verdicts.path(self.model, drafter_model, self.planner_key)
+            record = from_rank_zero(shards_of(self.model), lambda: self.verdicts.recall(self.verdict))  # all alike
             if record is not None:
                 planner.switch.resume(record)
         return planner
@@ -144,5 +146,6 @@ class Learners:
             stats.speculation_verdict = self.drafter_read.verdict or self.switch.verdict()
         if self.planner_key is not None:
             tier_memory(self.model).remember_planner(self.planner_key, self.planner)
-            if self.switch is not None:
-                remember(self.switch, self.verdict or verdict_path(self.model, self.drafter_model, self.planner_key))
+            if self.switch is not None and self.verdicts is not None:
+                path = self.verdict or self.verdicts.path(self.model, self.drafter_model, self.planner_key)
+                self.verdicts.remember(self.switch, path)

@@ -37,6 +37,7 @@ from transformers.generation.streamers import BaseStreamer
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import MeasuredCosts, longest_draft
 from viasd_hf.control.tier_controller import measures_wall_clock
+from viasd_hf.control.verdicts import VerdictStore
 from viasd_hf.engine.attention import fastest_attention
 from viasd_hf.engine.batch.acceptance import full_verdict, ragged, row_view, scored
 from viasd_hf.engine.batch.drafting import BatchDraft, BatchDrafter
@@ -75,7 +76,7 @@ class BatchedDecoder:
                  stopping_criteria: StoppingCriteriaList, max_length: int, target: RaggedCache,
                  rng: RandomStream | None = None, check_invariants: bool = False, keep_scores: bool = False,
                  keep_logits: bool = False, streamer: BaseStreamer | None = None, emulated_bf16: bool = False,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, verdicts: VerdictStore | None = None) -> None:
         self.model = model
         self.drafter = drafter
         self.clock = clock if clock is not None else Clock()  # every timing of the call (``engine.clock``)
@@ -95,7 +96,7 @@ class BatchedDecoder:
         self.batch_size = target.mask.shape[0]
         self.stats = BatchViaSDStats()
         self.learners = Learners(model, drafter, drafter_model, config, slim_mask, self.batch_size, rng is not None,
-                                 emulated_bf16)
+                                 emulated_bf16, verdicts)
         # the learners' deciders, as the loop asks them
         self.controller, self.planner = self.learners.controller, self.learners.planner
         self.switch, self.drafter_read = self.learners.switch, self.learners.drafter_read
