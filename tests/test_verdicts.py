@@ -79,3 +79,26 @@ def test_a_switch_resumes_what_it_made_durable():
     assert resumed.speculating and resumed.speculates()
     assert resumed.speedup() == pytest.approx(switch.speedup())
     assert resumed.schedule.due_at == resumed.schedule.every, "the other regime is probed after a while, not at once"
+
+
+def test_a_verdict_remembered_from_a_busy_hour_gives_way_to_what_this_process_measures(pair, monkeypatch, caplog):
+    """An earlier process measured speculation at half plain decoding's speed beside a neighbour now gone: the new
+    process starts plainly as told, then its own first pairs decide, and the user is not told it does not pay."""
+    target, drafter = pair
+    stale = SpeculationSwitch()
+    stale.resume({"speculating": False, "pairs": [1.7, 3.0, 3.1, 2.1, 3.4], "tokens_speculative": 1.5,
+                  "tokens_plain": 1.0, "reading": 0.4, "speculative": 0.6, "plain": 3.4})
+    assert not stale.clearly_loses() and "remembered" in stale.describe()
+    with PassClock() as clock:
+        clock.install(monkeypatch)
+        clock.charge(target, 0.01).charge(drafter, 0.001)
+        call(pair, clock, max_new_tokens=12)  # learns the path; then the record is replaced by the stale one
+        [path] = verdicts.verdicts_home().glob("*.json")
+        path.write_text(json.dumps(stale.durable()))
+        new_process(target)
+        with caplog.at_level("WARNING", logger="viasd_hf"):
+            stats = call(pair, clock, max_new_tokens=120)
+    assert stats.speculation_verdict.startswith("speculating"), stats.speculation_switches
+    assert stats.plain_blocks <= stats.blocks // 2, "the first probe's own pairs overturned the stale verdict"
+    assert "does not pay" not in caplog.text
+    assert json.loads(path.read_text())["speculating"]

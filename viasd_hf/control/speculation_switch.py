@@ -105,6 +105,7 @@ class SpeculationSwitch:
     advice_gap: float = 0.1  # how much slower speculation must measure before the user is told it does not pay
     tokens: dict[bool, FadedMean] = field(default_factory=lambda: {True: FadedMean(), False: FadedMean()})  # per block
     pairs: list[float] = field(default_factory=list)  # a speculative block's seconds / a nearby plain block's
+    remembered: list[float] = field(default_factory=list)  # ``pairs`` an earlier process measured (``resume``)
     probe_ended: int = 0  # the block at which the latest probe ended
     latest: dict[bool, tuple[int, float]] = field(default_factory=dict)  # per regime: its latest block, seconds
 
@@ -157,12 +158,14 @@ class SpeculationSwitch:
         cost ratios, tokens per block of each regime, the drafter's read and the target's prefill, both relative."""
         means = {"tokens_speculative": self.tokens[True].mean(), "tokens_plain": self.tokens[False].mean(),
                  "reading": self.reading.mean(), "speculative": self.speculative.mean(), "plain": self.plain.mean()}
-        return {"speculating": self.speculating, "pairs": list(self.pairs)} | means
+        return {"speculating": self.speculating, "pairs": list(self.pairs or self.remembered)} | means
 
     def resume(self, record: dict[str, Any]) -> None:
         """Start from what an earlier process learned (``durable``), each mean weighing as one block: the first block
         decodes in the regime it chose, and the other is probed after ``schedule.every`` blocks, not at block
-        ``schedule.first``. A record that does not read as one is ignored: the switch measures afresh."""
+        ``schedule.first``. Its pairs were measured at another time, perhaps beside a neighbour long gone, so they
+        decide only until this process has measured a pair of its own (``evidence``), and they never make a verdict
+        solid. A record that does not read as one is ignored: the switch measures afresh."""
         try:
             speculating, pairs = bool(record["speculating"]), [float(pair) for pair in record["pairs"]][-PAIRS_KEPT:]
             means = {name: record[name] for name in ("tokens_speculative", "tokens_plain", "reading", "speculative",
@@ -171,7 +174,7 @@ class SpeculationSwitch:
                 return
         except (KeyError, TypeError, ValueError):
             return
-        self.speculating, self.pairs = speculating, pairs
+        self.speculating, self.remembered = speculating, pairs
         for mean, name in ((self.tokens[True], "tokens_speculative"), (self.tokens[False], "tokens_plain"),
                            (self.reading, "reading"), (self.speculative, "speculative"), (self.plain, "plain")):
             if means[name] is not None:
@@ -205,10 +208,10 @@ class SpeculationSwitch:
     def reading_pays(self, read_seconds: float | None, tokens_left: int) -> bool:
         """Whether speculating over at most ``tokens_left`` more tokens saves more than it costs once per call: the
         ``read_seconds`` the drafter needs before it drafts and, for a batch, what its end is expected to lose
-        (``tail_cost``); at the throughputs measured; yes while either is unknown (a probe
-        learns it)."""
+        (``tail_cost``); at the throughputs measured; yes while either is unknown, or known only from an earlier
+        process (``resume``): a probe learns it."""
         speculative, plain = self.speculative.mean(), self.plain.mean()
-        if read_seconds is None or speculative is None or plain is None:
+        if read_seconds is None or speculative is None or plain is None or (self.remembered and not self.pairs):
             return True
         return tokens_left * (1 / plain - 1 / speculative) > read_seconds + self.tail_cost()
 
@@ -234,7 +237,10 @@ class SpeculationSwitch:
 
     def clearly_loses(self) -> bool:
         """Whether speculation measured slower than plain decoding by ``advice_gap``: a near tie, as a call's first
-        blocks can show while new pass shapes are first run, is no reason to tell the user it does not pay."""
+        blocks can show while new pass shapes are first run, is no reason to tell the user it does not pay; nor is
+        what an earlier process measured (``resume``) before this one has measured a pair."""
+        if self.remembered and not self.pairs:
+            return False
         speedup = self.speedup()
         return speedup is not None and speedup < 1 - self.advice_gap
 
@@ -247,7 +253,9 @@ class SpeculationSwitch:
         speculative, plain, speedup = self.speculative.mean(), self.plain.mean(), self.speedup()
         if speculative is None or plain is None or speedup is None:
             return "not yet compared"
-        paired = f", {speedup:.2f}x from {len(self.pairs)} adjacent pair{'s' * (len(self.pairs) != 1)}" if self.pairs else ""
+        pairs = self.evidence()
+        earlier = " remembered from an earlier process" if pairs is self.remembered else ""
+        paired = f", {speedup:.2f}x from {len(pairs)} adjacent pair{'s' * (len(pairs) != 1)}{earlier}" if pairs else ""
         return f"speculative blocks {speculative:.2f} tokens/s, plain decoding {plain:.2f} tokens/s{paired}"
 
     def speedup(self) -> float | None:
@@ -255,11 +263,15 @@ class SpeculationSwitch:
         tokens a block of each regime commits (counts, faded) over what a speculative block costs in plain blocks,
         measured in pairs of adjacent blocks (a burst slows both, or the pair is one of ``PAIRS_KEPT`` whose median
         is taken). Before any pair, the ratio of the two regimes' faded throughputs."""
-        spec_tokens, plain_tokens = self.tokens[True].mean(), self.tokens[False].mean()
-        if self.pairs and spec_tokens and plain_tokens:
-            return spec_tokens / plain_tokens / median(self.pairs)
+        spec_tokens, plain_tokens, pairs = self.tokens[True].mean(), self.tokens[False].mean(), self.evidence()
+        if pairs and spec_tokens and plain_tokens:
+            return spec_tokens / plain_tokens / median(pairs)
         speculative, plain = self.speculative.mean(), self.plain.mean()
         return speculative / plain if speculative is not None and plain else None
+
+    def evidence(self) -> list[float]:
+        """The pairs ``speedup`` takes the median of: this process's, else those an earlier one measured (``resume``)."""
+        return self.pairs or self.remembered
 
     def _pair(self, speculated: bool, seconds: float) -> None:
         """A block near one of the other regime (at most ``PAIR_DISTANCE`` blocks before): what the speculative one
@@ -271,7 +283,8 @@ class SpeculationSwitch:
         self.latest[speculated] = (self.block, seconds)
 
     def _thin_evidence(self) -> bool:
-        """Whether fewer than ``SOLID_PAIRS`` pairs of nearby blocks were measured: a verdict one burst could make."""
+        """Whether fewer than ``SOLID_PAIRS`` pairs of nearby blocks were measured in this process: a verdict one burst
+        could make (or one remembered from another time)."""
         return len(self.pairs) < SOLID_PAIRS
 
     def _blocks_to_earn_back(self) -> int:
