@@ -347,6 +347,24 @@ class PassClock(Clock):
             handle.remove()
 
 
+class PassBursts:
+    """How much dearer each pass runs, pass after pass: 1, but in seeded bursts of 5 to 20 times lasting 4 to 40 passes
+    (a burst starts after about one pass in 25, so about half of all passes run in one), as short-lived processes
+    sharing the CPU make them; a burst may begin or end inside a block."""
+
+    def __init__(self, seed: int) -> None:
+        self.generator = __import__("random").Random(seed)
+        self.factor, self.left = 1.0, 0
+
+    def next(self) -> float:
+        if self.left == 0 and self.generator.random() < 0.04:
+            self.factor, self.left = self.generator.uniform(5, 20), self.generator.randint(4, 40)
+        if self.left == 0:
+            return 1.0
+        self.left -= 1
+        return self.factor
+
+
 class TokensPerCall:
     """Records, for every forward call of ``module``, how many tokens it was fed (``tokens_fed``, a forward
     pre-hook). Use as a context manager; the hook goes when it exits.

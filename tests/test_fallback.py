@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from conftest import PassClock, assert_stats_consistent, tiny_causal_lm
+from conftest import PassBursts, PassClock, assert_stats_consistent, tiny_causal_lm
 from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.draft_planner import MeasuredCosts, StaticCosts
@@ -297,10 +297,10 @@ def test_a_drafter_too_slow_to_pay_gives_way_to_plain_decoding_with_the_same_out
     assert_stats_consistent(stats, 60, "lossless")
 
 
-def test_the_verify_cost_fit_learns_from_plain_blocks_too(pair, prompt_ids, clock, monkeypatch):
-    """The advice quotes the fitted cost of a 6-token pass against a one-token pass. Where verifying costs grow with
-    the tokens fed (20 ms a token, as where bf16 is emulated), a fit over many plain blocks and a few probes' blocks
-    says so (about 6x), not the weight-byte guess (about 1x); and plain blocks (but the first, which reads the prompt)
+def test_the_verify_cost_is_measured_from_plain_blocks_too(pair, prompt_ids, clock, monkeypatch):
+    """The advice quotes the measured cost of a 6-token pass against a one-token pass. Where verifying costs grow with
+    the tokens fed (20 ms a token, as where bf16 is emulated), pairs of plain blocks and a few probes' nearby blocks
+    say so (about 6x), not the weight-byte guess (about 1x); and plain blocks (but the first, which reads the prompt)
     do feed it."""
     costs = MeasuredCosts(StaticCosts(drafter=0.5, per_token=0.03))
     for block in range(20):  # every third block a probe's, one draft: widths spread little, yet enough to fit
@@ -464,21 +464,15 @@ def test_a_burst_during_the_first_probe_is_reversed_by_the_next_probes():
 
 
 class BurstyPassClock(PassClock):
-    """A ``PassClock`` whose passes run ``factor`` times dearer while a burst of load lasts: bursts of 5 to 20 times
-    start at seeded moments and last 4 to 40 passes, as short-lived processes sharing the CPU would make them."""
+    """A ``PassClock`` whose passes run dearer while a burst of load lasts (``PassBursts``)."""
 
     def __init__(self, seed: int) -> None:
         super().__init__()
-        self.generator = __import__("random").Random(seed)
-        self.burst = (1.0, 0)  # factor, passes left
+        self.bursts = PassBursts(seed)
 
     def charge(self, module, price) -> PassClock:
         def dearer(tokens):
-            factor, left = self.burst
-            if left == 0 and self.generator.random() < 0.04:
-                factor, left = self.generator.uniform(5, 20), self.generator.randint(4, 40)
-            self.burst = (factor, left - 1) if left > 0 else (1.0, 0)
-            return (price(tokens) if callable(price) else price) * (factor if left > 0 else 1.0)
+            return (price(tokens) if callable(price) else price) * self.bursts.next()
 
         return super().charge(module, dearer)
 

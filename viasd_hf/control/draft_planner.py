@@ -28,8 +28,8 @@ costs them all (``keep_drafting_rows``). The first token is always drafted, so t
 keeps learning; whether a block drafts at all is measured, not planned
 (``speculation_switch.SpeculationSwitch``: where costs are measured, plain decoding whenever it is faster).
 
-Where the costs come from (``PassCosts``): measured on the fly (``MeasuredCosts``: running
-estimates from every block's timings, starting from the static guess), or, where timings must not
+Where the costs come from (``PassCosts``): measured on the fly (``MeasuredCosts``: ratios of passes measured moments
+apart, whose medians a burst of load cannot move for long, starting from the static guess), or, where timings must not
 change the output (``ViaSDConfig.reproducible``), from the weights each pass reads
 (``StaticCosts``): decoding one token is memory-bound, so a pass costs about the bytes it reads.
 Where costs are measured, the planner (costs and calibration) is remembered across calls on the
@@ -39,14 +39,16 @@ model (``memory.draft_planner``), so a short call does not start uncalibrated.
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Protocol
 
 from torch import nn
 
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.faded import FadedMean
-from viasd_hf.control.speculation_switch import SpeculationSwitch
+from viasd_hf.control.speculation_switch import PAIR_DISTANCE, SpeculationSwitch
 from viasd_hf.control.tier_controller import measures_wall_clock
 from viasd_hf.masks.architectures import decoder_layers
 from viasd_hf.masks.routing_mask import RoutingMask
@@ -133,56 +135,78 @@ def weight_bytes(module: nn.Module) -> int:
 
 @dataclass
 class MeasuredCosts:
-    """Running estimates from the call's own timings (seconds), starting from ``StaticCosts`` scaled by the first
-    measured verifying pass. The verifying pass is fit as ``base + per_token · tokens`` on faded sums, over every
-    block's full pass: plain blocks give its one-token passes (a fit on a few probe blocks of like width would keep
-    the weight-byte guess of ``per_token``, which is wrong where verifying costs grow with the tokens fed)."""
+    """The costs measured on the call's own passes, as ratios a burst of load cannot fake for long, in units of a
+    one-token verifying pass ``a + b``, of which ``s = b / (a + b)`` is what its token adds:
+
+    - ``s`` from pairs of verifying passes at most ``PAIR_DISTANCE`` blocks apart that were fed different numbers of
+      tokens, ``t_i / t_j = (1 − s + s·w_i) / (1 − s + s·w_j)``: plain blocks feed one token, speculative ones their
+      drafts and one more;
+    - ``d`` from each block's drafter passes over the verifying pass of the same block, moments later.
+
+    Each is the median of the latest ``kept``: a burst of load slows both passes of a pair, whose ratio then stands,
+    or spoils a few ratios, which the median passes over; a lasting change of load slows every pass and changes no
+    ratio. The planner's rule compares costs with costs, so their unit does not matter. Before anything is measured,
+    the static guess (``StaticCosts``).
+    """
 
     static: StaticCosts
-    decay: float = 0.95
-    drafter: FadedMean = field(default_factory=FadedMean)
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, Σx, Σy, Σxx, Σxy of (tokens, seconds)
+    kept: int = 15
+    shares: deque[float] = field(init=False)  # s, from nearby pairs of verifying passes
+    drafter_ratios: deque[tuple[float, int]] = field(init=False)  # (drafter pass / that block's verifying pass, tokens)
+    verifying: deque[tuple[int, int, float]] = field(init=False)  # the latest passes: (block, tokens fed, seconds)
+    drafting: float | None = None  # seconds per drafter pass of the block under way, until its verifying pass
+    block: int = 0
+
+    def __post_init__(self) -> None:
+        self.shares, self.drafter_ratios = deque(maxlen=self.kept), deque(maxlen=self.kept)
+        self.verifying = deque(maxlen=PAIR_DISTANCE)
 
     def observe_drafting(self, seconds: float, passes: int) -> None:
-        if passes:
-            self.drafter.observe(seconds / passes, self.decay)
+        """The block under way drafted with ``passes`` drafter passes in ``seconds``."""
+        self.drafting = seconds / passes if passes and seconds > 0 else None
 
     def observe_verifying(self, seconds: float, tokens: int) -> None:
-        weight, sx, sy, sxx, sxy = (self.decay * value for value in self.sums)
-        self.sums = [weight + 1, sx + tokens, sy + seconds, sxx + tokens * tokens, sxy + tokens * seconds]
+        """The block's verifying pass (a plain block's too) was fed ``tokens`` tokens and took ``seconds``."""
+        if seconds <= 0:
+            return
+        if self.drafting is not None:
+            self.drafter_ratios.append((self.drafting / seconds, tokens))
+        self.drafting = None
+        for block, fed, other in self.verifying:
+            if fed != tokens and self.block - block <= PAIR_DISTANCE:
+                self.shares.append(_per_token_share((tokens, seconds), (fed, other)))
+        self.verifying.append((self.block, tokens, seconds))
+        self.block += 1
 
-    def _fit(self) -> tuple[float, float] | None:
-        weight, sx, sy, sxx, sxy = self.sums
-        if weight < 1.0:
-            return None
-        mean_x, mean_y = sx / weight, sy / weight
-        spread = sxx / weight - mean_x**2
-        if weight >= 3.0 and weight * spread > 1.5:  # widths spread enough to fit (most may be plain blocks' one)
-            slope = max((sxy / weight - mean_x * mean_y) / spread, 0.0)
-        else:
-            slope = self.static.per_token * mean_y / (1 + self.static.per_token * mean_x)
-        return max(mean_y - slope * mean_x, 1e-9), slope
-
-    def _unit(self) -> float:
-        """Seconds of a one-token target pass, as far as measured (1.0 before anything is)."""
-        fit = self._fit()
-        return fit[0] + fit[1] if fit is not None else 1.0
-
-    def drafter_pass(self) -> float:
-        return self.drafter.mean(self.static.drafter * self._unit(), 1.0)
+    def _share(self) -> float:
+        if self.shares:
+            return median(self.shares)
+        return self.static.per_token / (self.static.verify_base() + self.static.per_token)
 
     def verify_base(self) -> float:
-        fit = self._fit()
-        return fit[0] if fit is not None else self.static.verify_base()
+        return 1 - self._share()
 
     def verify_per_token(self) -> float:
-        fit = self._fit()
-        return fit[1] if fit is not None else self.static.verify_per_token()
+        return self._share()
+
+    def drafter_pass(self) -> float:
+        if not self.drafter_ratios:
+            return self.static.drafter
+        share = self._share()
+        return median(ratio * (1 - share + share * tokens) for ratio, tokens in self.drafter_ratios)
 
     def verify_ratio(self, tokens: int = 6) -> float | None:
         """What a verifying pass over ``tokens`` tokens costs relative to a one-token pass, once measured."""
-        fit = self._fit()
-        return (fit[0] + fit[1] * tokens) / (fit[0] + fit[1]) if fit is not None else None
+        return 1 + self._share() * (tokens - 1) if self.shares else None
+
+
+def _per_token_share(one: tuple[int, float], other: tuple[int, float]) -> float:
+    """``s`` from two verifying passes, each (tokens fed, seconds), solving ``t₁ / t₂ = (1 − s + s·w₁) / (1 − s + s·w₂)``
+    for the wider one's ``w₁``; within ``[0, 1]``, where a burst on one of the two can put the solution anywhere
+    (the median sorts it out)."""
+    (w1, t1), (w2, t2) = sorted((one, other), reverse=True)
+    ratio = t1 / t2
+    return min(max((ratio - 1) / (w1 - 1 - ratio * (w2 - 1)), 0.0), 1.0) if w1 - 1 > ratio * (w2 - 1) else 1.0
 
 
 @dataclass
