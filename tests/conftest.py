@@ -241,6 +241,16 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module", params=[("llama", 0), ("qwen2", 3)], ids=["llama", "qwen2"])
+def near_pair(request):
+    """A tiny VIA-SD-enabled target of each of two architectures and a drafter close to it (``near_copy``)."""
+    from viasd_hf import enable_viasd
+
+    kind, seed = request.param
+    target = enable_viasd(tiny_causal_lm(kind, seed=seed))
+    return target, near_copy(target, seed=seed + 1)
+
+
 # -- what a VIA-SD call did (what a pass-through to plain ``generate`` could not show) -----------------
 
 

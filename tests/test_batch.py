@@ -32,17 +32,7 @@ PAD = 0
 GREEDY = {"do_sample": False, "pad_token_id": PAD}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(single_thread):
-    """Tiny models run fastest on one thread."""
-
-
-@pytest.fixture(scope="module", params=[("llama", 0), ("qwen2", 3)], ids=["llama", "qwen2"])
-def pair(request):
-    kind, seed = request.param
-    target = tiny_causal_lm(kind, seed=seed)
-    enable_viasd(target)
-    return target, near_copy(target, seed=seed + 1)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models run fastest on one thread
 
 
 def prompts(seed: int, lengths=(11, 6, 9), repeat: bool = False) -> list[torch.Tensor]:
@@ -81,8 +71,8 @@ def assert_identical_to_generate(target, rows, out, max_new_tokens=24, **kwargs)
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("drafter_kind", ["assistant", "prompt_lookup", "hybrid", "self"])
-def test_every_row_equals_its_own_greedy_generate_and_the_batched_one(pair, seed, drafter_kind):
-    target, assistant = pair
+def test_every_row_equals_its_own_greedy_generate_and_the_batched_one(near_pair, seed, drafter_kind):
+    target, assistant = near_pair
     rows = prompts(seed, repeat=drafter_kind in ("prompt_lookup", "hybrid"))
     lookup = {"prompt_lookup_num_tokens": 4} if drafter_kind in ("prompt_lookup", "hybrid") else {}
     config = slim_config(target, self_draft_mask=RoutingMask.from_model(target, skip=[1, 2]))
@@ -97,8 +87,8 @@ def test_every_row_equals_its_own_greedy_generate_and_the_batched_one(pair, seed
 
 
 @pytest.mark.parametrize("config", ["default", "no_slim_tier"])
-def test_adaptive_configs_are_lossless_too(pair, config, speculating):
-    target, assistant = pair
+def test_adaptive_configs_are_lossless_too(near_pair, config, speculating):
+    target, assistant = near_pair
     rows = prompts(7, lengths=(5, 12, 8, 10))
     chosen = {"default": ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2])),
               "no_slim_tier": ViaSDConfig(use_slim=False)}
@@ -106,10 +96,10 @@ def test_adaptive_configs_are_lossless_too(pair, config, speculating):
     assert_identical_to_generate(target, rows, out, max_new_tokens=20)
 
 
-def test_plain_blocks_between_speculative_ones_change_no_token(pair, monkeypatch):
+def test_plain_blocks_between_speculative_ones_change_no_token(near_pair, monkeypatch):
     """Where speculation does not pay, blocks decode one token per row; the drafter, which then has not read the
     prompts (the first block is plain here), reads what it lacks when speculation resumes."""
-    target, assistant = pair
+    target, assistant = near_pair
     monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: switch.block % 3 != 0)
     rows = prompts(9, lengths=(6, 11, 3))
     out = batched(target, rows, ViaSDConfig(routing_mask=RoutingMask.from_model(target, skip=[2])), assistant)
@@ -119,10 +109,10 @@ def test_plain_blocks_between_speculative_ones_change_no_token(pair, monkeypatch
     assert max(row["plain_blocks"] for row in stats.to_dict()["rows"]) == stats.plain_blocks  # the row decoding longest
 
 
-def test_a_batch_decoding_plainly_takes_one_full_pass_per_token_as_generate(pair, monkeypatch):
+def test_a_batch_decoding_plainly_takes_one_full_pass_per_token_as_generate(near_pair, monkeypatch):
     """The pass over the prompts gives every row its first token (the first block), as ``generate``'s first step:
     n new tokens a row cost n batched passes, not a prefill and n more."""
-    target, assistant = pair
+    target, assistant = near_pair
     monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: False)
     rows = prompts(4, lengths=(6, 11, 3))
     out = batched(target, rows, ViaSDConfig(use_slim=False), assistant, max_new_tokens=6)
@@ -132,13 +122,13 @@ def test_a_batch_decoding_plainly_takes_one_full_pass_per_token_as_generate(pair
     assert stats.drafter_forwards == 0 and all(row.full_forwards == 6 for row in stats.rows)
 
 
-def test_the_assistant_runs_long_passes_through_its_reader_and_short_ones_itself(pair, monkeypatch, speculating):
+def test_the_assistant_runs_long_passes_through_its_reader_and_short_ones_itself(near_pair, monkeypatch, speculating):
     """Where the drafting model has a reader (a 4-bit copy's dequantised twin, measured faster from some number of
     tokens a pass), the prompts' read (all rows, one pass) and every pass at least that long go through it, every
     shorter pass through the model; the output is greedy's."""
     import viasd_hf.generation as generation
 
-    target, assistant = pair
+    target, assistant = near_pair
     reader = Reader(copy.deepcopy(assistant), from_tokens=12)
     passes = {"reader": [], "assistant": []}
     for name, model in (("reader", reader.twin), ("assistant", assistant)):
@@ -155,8 +145,8 @@ def test_the_assistant_runs_long_passes_through_its_reader_and_short_ones_itself
     assert len(passes["reader"]) + len(passes["assistant"]) == out.viasd_stats.drafter_forwards
 
 
-def test_rows_stop_at_their_own_eos_and_leave_the_batch(pair):
-    target, assistant = pair
+def test_rows_stop_at_their_own_eos_and_leave_the_batch(near_pair):
+    target, assistant = near_pair
     rows = prompts(11, lengths=(9, 6, 12))
     ids, mask = left_padded(rows)
     free = target.generate(ids, attention_mask=mask, max_new_tokens=24, viasd_config=None, eos_token_id=None,
@@ -184,11 +174,11 @@ class ScoresSeen(StoppingCriteria):
 
 
 @pytest.mark.parametrize("mode", ["lossless", "tiered"])
-def test_scores_and_logits_of_each_row_are_generates_step_by_step(pair, mode):
+def test_scores_and_logits_of_each_row_are_generates_step_by_step(near_pair, mode):
     """``output_scores`` / ``output_logits`` of a batch: step ``t`` holds every row's scores for its ``t``-th new token
     (fp32 tiny models: equal to ``generate``'s batched greedy up to float32 rounding of passes of other shapes); a row
     that finished puts all mass on the padding; stopping criteria get each row's own scores."""
-    target, assistant = pair
+    target, assistant = near_pair
     rows = prompts(11, lengths=(9, 6, 12))
     ids, mask = left_padded(rows)
     free = target.generate(ids, attention_mask=mask, max_new_tokens=20, viasd_config=None, eos_token_id=None,
@@ -222,25 +212,25 @@ def test_scores_and_logits_of_each_row_are_generates_step_by_step(pair, mode):
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5])
-def test_max_new_tokens(pair, max_new_tokens):
-    target, assistant = pair
+def test_max_new_tokens(near_pair, max_new_tokens):
+    target, assistant = near_pair
     rows = prompts(5)
     out = batched(target, rows, slim_config(target), assistant, max_new_tokens=max_new_tokens)
     assert out.sequences.shape[1] == max(len(row) for row in rows) + max_new_tokens
     assert_identical_to_generate(target, rows, out, max_new_tokens=max_new_tokens)
 
 
-def test_a_plain_tensor_without_return_dict_and_prompts_of_one_length(pair):
-    target, assistant = pair
+def test_a_plain_tensor_without_return_dict_and_prompts_of_one_length(near_pair):
+    target, assistant = near_pair
     ids = torch.stack(prompts(2, lengths=(8, 8, 8)))
     out = target.generate(ids, assistant_model=assistant, viasd_config=slim_config(target), max_new_tokens=16, **GREEDY)
     assert torch.equal(out, target.generate(ids, max_new_tokens=16, viasd_config=None, **GREEDY))
 
 
-def test_what_only_batching_makes_true(pair):
+def test_what_only_batching_makes_true(near_pair):
     """One block's rows keep different numbers of drafts, rows leave at different blocks, and the target runs fewer
     passes than there are tokens, each over every row still decoding."""
-    target, assistant = pair
+    target, assistant = near_pair
     rows = prompts(13, lengths=(10, 7, 12, 5))
     ids, mask = left_padded(rows)
     free = target.generate(ids, attention_mask=mask, max_new_tokens=30, viasd_config=None, eos_token_id=None,
@@ -264,8 +254,8 @@ def test_what_only_batching_makes_true(pair):
     assert stats.decode_full_forwards == stats.blocks
 
 
-def test_compacting_the_caches_after_every_block_changes_no_token(pair, monkeypatch):
-    target, assistant = pair
+def test_compacting_the_caches_after_every_block_changes_no_token(near_pair, monkeypatch):
+    target, assistant = near_pair
     monkeypatch.setattr(ragged_cache, "COMPACT_AT_LEAST", 0)
     monkeypatch.setattr(ragged_cache, "COMPACT_SHARE", 0.0)
     rows = prompts(17, lengths=(4, 13, 9))
@@ -275,8 +265,8 @@ def test_compacting_the_caches_after_every_block_changes_no_token(pair, monkeypa
     assert compactions["target"] >= out.viasd_stats.blocks - 1 and compactions["drafter"] > 0
 
 
-def test_a_single_prompt_is_a_batch_of_one(pair):
-    target, assistant = pair
+def test_a_single_prompt_is_a_batch_of_one(near_pair):
+    target, assistant = near_pair
     ids = prompts(1)[0][None]
     out = target.generate(ids, assistant_model=assistant, viasd_config=slim_config(target),
                           max_new_tokens=12, return_dict_in_generate=True, **GREEDY)
@@ -336,12 +326,12 @@ def test_a_pipeline_with_a_batch_size_decodes_each_batch_with_viasd():
 # -- tiered mode -----------------------------------------------------------------------------------------------------
 
 
-def test_tiered_rows_commit_on_the_slim_tiers_authority_and_the_full_model_catches_up(pair):
+def test_tiered_rows_commit_on_the_slim_tiers_authority_and_the_full_model_catches_up(near_pair):
     """A routing mask that skips no layer makes the slim verifier the full model, so every token it commits on its own
     authority is the full model's greedy choice: each tiered row is its prompt's greedy ``generate`` while the slim
     tier commits tokens the target's cache takes only at the full model's next pass (a catch-up, at most
     ``max_slim_backlog`` tokens later, or an escalation)."""
-    target, assistant = pair
+    target, assistant = near_pair
     rows = prompts(4, lengths=(7, 12, 9))
     config = ViaSDConfig.paper(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[]), tau_accept=1.0, max_slim_backlog=6,
                          adaptive=False)
@@ -356,9 +346,9 @@ def test_tiered_rows_commit_on_the_slim_tiers_authority_and_the_full_model_catch
         assert_stats_consistent(row, new_tokens, "tiered", stopped_inside_block=True)
 
 
-def test_tiered_rows_escalating_every_draft_are_lossless(pair):
+def test_tiered_rows_escalating_every_draft_are_lossless(near_pair):
     """τ_acc = τ_esc = 1: the slim tier escalates every draft, so the full model decides every block."""
-    target, assistant = pair
+    target, assistant = near_pair
     rows = prompts(6, lengths=(9, 5, 11))
     config = ViaSDConfig.paper(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[2]), tau_accept=1.0,
                          tau_escalate=1.0, adaptive=False)
@@ -369,8 +359,8 @@ def test_tiered_rows_escalating_every_draft_are_lossless(pair):
         assert row.slim_committed_tokens == 0 and row.slim_forwards == row.escalated_blocks > 0
 
 
-def test_tiered_sampling_of_a_batch_is_reproducible_and_the_slim_tier_commits(pair):
-    target, assistant = pair
+def test_tiered_sampling_of_a_batch_is_reproducible_and_the_slim_tier_commits(near_pair):
+    target, assistant = near_pair
     rows = prompts(8, lengths=(7, 10))
     config = ViaSDConfig.paper(mode="tiered", routing_mask=RoutingMask.from_model(target, skip=[2]), adaptive=False,
                          self_draft_mask=RoutingMask.from_model(target, skip=[1, 2]))
@@ -399,8 +389,8 @@ class AtFourteenTokens(StoppingCriteria):
     ({"all_padding": True}, "a prompt of the batch is all padding"),
     ({"eos_token_id": None, "stopping_criteria": StoppingCriteriaList([AtFourteenTokens()])}, "set eos_token_id"),
 ])
-def test_unsupported_requests_are_refused_with_the_fix(pair, request_, match):
-    target, assistant = pair
+def test_unsupported_requests_are_refused_with_the_fix(near_pair, request_, match):
+    target, assistant = near_pair
     request_ = dict(request_)
     rows = prompts(0)
     ids, mask = left_padded(rows)
@@ -420,9 +410,9 @@ def test_unsupported_requests_are_refused_with_the_fix(pair, request_, match):
 
 
 @pytest.mark.integration
-@pytest.mark.xdist_group("qwen-pair")  # the worker that already holds the pair (tests/test_decoding_zoo.py)
+@pytest.mark.xdist_group("qwen-near_pair")  # the worker that already holds the near_pair (tests/test_decoding_zoo.py)
 def test_qwen_coder_pair_batched_equals_each_prompt_alone():
-    """Two code prompts of different lengths (so one is left-padded) through the Qwen2.5-Coder 1.5B ← 0.5B pair in
+    """Two code prompts of different lengths (so one is left-padded) through the Qwen2.5-Coder 1.5B ← 0.5B near_pair in
     float32, with the slim tier repairing drafts: each batched row is what greedy ``generate`` gives that prompt alone
     (up to a numerical near-tie of the target's), and the batch took fewer full passes than it made tokens."""
     target, tokenizer = zoo("qwen2.5-coder-1.5b-instruct")
@@ -447,5 +437,5 @@ def test_qwen_coder_pair_batched_equals_each_prompt_alone():
         tie = first_near_tie(reference.logits)
         compared = len(expected) if tie is None or torch.equal(row, expected) else tie
         if compared < len(expected):
-            NEAR_TIE_REPORT.append(f"qwen-pair batch row {i}: compared the first {tie} of {len(expected)} tokens")
+            NEAR_TIE_REPORT.append(f"qwen-near_pair batch row {i}: compared the first {tie} of {len(expected)} tokens")
         assert torch.equal(row[:compared], expected[:compared]), f"row {i}"

@@ -27,25 +27,15 @@ from transformers import (
     TypicalLogitsWarper,
 )
 
-from conftest import VOCAB, left_padded, near_copy, random_prompts, tiny_causal_lm
-from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+from conftest import VOCAB, left_padded, random_prompts
+from viasd_hf import RoutingMask, ViaSDConfig
 from viasd_hf.engine.processors import RowProcessors
 
 PAD, EOS = 0, 7
 LENGTHS = (11, 6, 9)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(single_thread):
-    """Tiny models run fastest on one thread."""
-
-
-@pytest.fixture(scope="module", params=[("llama", 0), ("qwen2", 3)], ids=["llama", "qwen2"])
-def pair(request):
-    kind, seed = request.param
-    target = tiny_causal_lm(kind, seed=seed)
-    enable_viasd(target)
-    return target, near_copy(target, seed=seed + 1)
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models run fastest on one thread
 
 
 def by_row(batch_id: int, sequence: torch.Tensor) -> list[int]:
@@ -103,20 +93,20 @@ def assert_batch_equals_generates(target, assistant, options: dict, drafter: str
 
 
 @pytest.mark.parametrize("processor", BUILT_IN)
-def test_each_built_in_processor_in_a_batch_equals_generates_batch(pair, processor):
-    assert_batch_equals_generates(*pair, BUILT_IN[processor], "hybrid")
+def test_each_built_in_processor_in_a_batch_equals_generates_batch(near_pair, processor):
+    assert_batch_equals_generates(*near_pair, BUILT_IN[processor], "hybrid")
 
 
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_every_built_in_processor_at_once_in_a_batch_equals_generates_batch(pair, drafter, seed):
-    assert_batch_equals_generates(*pair, ALL_AT_ONCE, drafter, seed)
+def test_every_built_in_processor_at_once_in_a_batch_equals_generates_batch(near_pair, drafter, seed):
+    assert_batch_equals_generates(*near_pair, ALL_AT_ONCE, drafter, seed)
 
 
-def test_sampled_batches_keep_each_rows_own_constraints(pair):
+def test_sampled_batches_keep_each_rows_own_constraints(near_pair):
     """Sampling with every warper beside the processors: each row draws only what ``prefix_allowed_tokens_fn`` allows
     its own batch index, and never a bad word."""
-    target, assistant = pair
+    target, assistant = near_pair
     ids, mask = left_padded(random_prompts(5, LENGTHS, repeat=True))
     torch.manual_seed(0)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=True, pad_token_id=PAD,

@@ -9,10 +9,13 @@ either through ``SlimEstimate``.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
+from statistics import median
 from typing import Protocol
 
 from viasd_hf.control.faded import FadedMean
+from viasd_hf.control.speculation_switch import PAIR_DISTANCE
 
 
 @dataclass
@@ -123,20 +126,46 @@ PASSES = ("drafter", "slim", "full")  # the passes a block is counted in, beside
 
 @dataclass
 class Prices:
-    """Seconds per drafter, slim and full pass: each a faded mean over the blocks that ran it, whichever regime.
+    """Seconds per drafter, slim and full pass, from evidence a burst of load cannot fake for long, whichever regime
+    ran them: a full pass at the median of the latest ``kept``, a drafter or slim pass at the median of its latest
+    ratios to a full pass measured close together (the same block, or at most ``PAIR_DISTANCE`` blocks before) times
+    that. A burst slows both passes of a ratio, which then stands, or spoils a few, which the median passes over.
 
-    They follow the text being decoded (a long context makes every pass dearer, for both regimes
-    at once); a pass that has not run for a while keeps the price it was last measured at.
+    They follow the text being decoded (a long context makes every pass dearer, for both regimes at once); a pass
+    that has not run for a while keeps the price it was last measured at. A pass never measured near a full one is
+    priced at the faded mean of its seconds (``seconds``).
     """
 
+    kept: int = 15
     seconds: dict[str, FadedMean] = field(default_factory=lambda: {name: FadedMean() for name in PASSES})
+    full: deque[float] = field(init=False)  # the latest full passes' seconds
+    ratios: dict[str, deque[float]] = field(init=False)  # drafter and slim passes over a full pass close together
+    latest_full: tuple[int, float] | None = None  # block, seconds
+    block: int = 0
+
+    def __post_init__(self) -> None:
+        self.full = deque(maxlen=self.kept)
+        self.ratios = {name: deque(maxlen=self.kept) for name in ("drafter", "slim")}
 
     def observe(self, block: BlockCost, decay: float) -> None:
-        for name, (seconds, count) in block.pass_costs().items():
+        passes = block.pass_costs()
+        for name, (seconds, count) in passes.items():
             if count:
                 self.seconds[name].observe(seconds, decay, weight=count)
+        full_seconds, full_count = passes["full"]
+        if full_count and full_seconds > 0:
+            self.latest_full = (self.block, full_seconds / full_count)
+            self.full.append(full_seconds / full_count)
+        if self.latest_full is not None and self.block - self.latest_full[0] <= PAIR_DISTANCE:
+            for name, ratios in self.ratios.items():
+                seconds, count = passes[name]
+                if count and seconds > 0:
+                    ratios.append(seconds / count / self.latest_full[1])
+        self.block += 1
 
     def of(self, name: str) -> float | None:
+        if self.full and (name == "full" or self.ratios[name]):
+            return median(self.full) * (1.0 if name == "full" else median(self.ratios[name]))
         return self.seconds[name].mean()
 
 
@@ -269,39 +298,53 @@ class RepairLedger:
     are what drafting and full verification cost and commit (every block measures them) and
     ``S`` and ``g`` the slim pass and its repair gain (slim blocks measure them). The slim tier
     pays iff ``g / T > S / B``; since ``g <= 1``, it cannot pay at all once ``S / B >= 1 / T``.
-    Until a slim pass has been timed, ``S`` is taken as the kept layers' share of a full pass —
-    less than it costs, as the embeddings and LM head still run — so that bound holds from the
-    first block and a slim tier that cannot pay is never run.
+    ``S / B`` is measured within each slim block, whose slim pass and two-tier part run moments apart, and is the
+    median of the latest ``kept``: a burst of load slows both, or spoils a few, which the median passes over;
+    ``g`` and ``T`` are counts. Until a slim pass has been timed, ``S`` is taken as the kept layers' share of a full
+    pass (each block's full pass over its two-tier part, the median likewise) — less than it costs, as the
+    embeddings and LM head still run — so that bound holds from the first block and a slim tier that cannot pay is
+    never run.
     """
 
     kept_fraction: float = 1.0  # of the target's layers that the slim pass runs
+    kept: int = 15
     base: Regime = field(default_factory=Regime)
     repairs: Regime = field(default_factory=Regime)  # seconds: slim passes; tokens: repair gains
-    full_seconds: float = 0.0  # faded like ``base``: the full passes' share of its seconds
+    slim_shares: deque[float] = field(init=False)  # S / B of the latest slim blocks
+    full_shares: deque[float] = field(init=False)  # the full pass's share of B, of the latest blocks
+
+    def __post_init__(self) -> None:
+        self.slim_shares, self.full_shares = deque(maxlen=self.kept), deque(maxlen=self.kept)
 
     def observe(self, block: BlockCost, decay: float) -> None:
         self.base.fade(decay)
         self.repairs.fade(decay)
-        self.full_seconds = decay * self.full_seconds + block.full_seconds
-        self.base.observe(block.seconds - block.slim_seconds, block.tokens - block.repair_gain)
+        two_tier = block.seconds - block.slim_seconds
+        self.base.observe(two_tier, block.tokens - block.repair_gain)
+        if two_tier > 0:
+            self.full_shares.append(block.full_seconds / two_tier)
         if block.slim:
             self.repairs.observe(block.slim_seconds, block.repair_gain)
+            if two_tier > 0:
+                self.slim_shares.append(block.slim_seconds / two_tier)
 
-    def _ratio(self, slim_seconds: float | None, gain: float | None) -> float | None:
-        seconds, tokens = self.base.seconds_per_block, self.base.tokens_per_block
-        if gain is None or slim_seconds is None or not seconds or not tokens:
+    def _ratio(self, slim_share: float | None, gain: float | None) -> float | None:
+        tokens = self.base.tokens_per_block
+        if gain is None or slim_share is None or not tokens:
             return None
-        return (1 + slim_seconds / seconds) / (1 + gain / tokens)
+        return (1 + slim_share) / (1 + gain / tokens)
 
     def cost_ratio(self) -> tuple[float, float] | None:
-        ratio = self._ratio(self.repairs.seconds_per_block, self.repairs.tokens_per_block)
+        share = median(self.slim_shares) if self.slim_shares else None
+        ratio = self._ratio(share, self.repairs.tokens_per_block)
         return None if ratio is None else (ratio, ratio)
 
     def best_case_ratio(self) -> float | None:
-        slim_seconds = self.repairs.seconds_per_block
-        if slim_seconds is None and self.base.blocks:
-            slim_seconds = self.kept_fraction * self.full_seconds / self.base.blocks
-        return self._ratio(slim_seconds, 1.0)
+        if self.slim_shares:
+            return self._ratio(median(self.slim_shares), 1.0)
+        if self.full_shares:
+            return self._ratio(self.kept_fraction * median(self.full_shares), 1.0)
+        return None
 
     def describe(self) -> str:
         base, repairs = self.base, self.repairs
