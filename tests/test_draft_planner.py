@@ -124,6 +124,9 @@ def test_measured_costs_start_from_the_static_guess():
     one_token_pass = costs.verify_base() + costs.verify_per_token()
     assert costs.drafter_pass() / one_token_pass == pytest.approx(0.25), "a quarter of a one-token target pass"
     assert costs.verify_ratio() is None, "nothing measured of what each token adds"
+    costs.observe_drafting(0.5, 1)  # the first block's draft, verified in the pass that read the prompt
+    costs.observe_verifying(0.2, 1)  # then a plain block: it drafted nothing, so it prices no drafter pass
+    assert costs.drafter_pass() / one_token_pass == pytest.approx(0.25)
 
 
 def planned_lengths(costs, blocks: list[tuple[int, float]], confidence: float = 0.9) -> list[int]:

@@ -169,7 +169,7 @@ class MeasuredCosts:
         """The block's verifying pass (a plain block's too) was fed ``tokens`` tokens and took ``seconds``."""
         if seconds <= 0:
             return
-        if self.drafting is not None:
+        if self.drafting is not None and tokens > 1:  # one token fed: a plain block, which drafted nothing
             self.drafter_ratios.append((self.drafting / seconds, tokens))
         self.drafting = None
         for block, fed, other in self.verifying:
