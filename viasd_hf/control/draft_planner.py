@@ -156,6 +156,8 @@ class MeasuredCosts:
     verifying: deque[tuple[int, int, float]] = field(init=False)  # the latest passes: (block, tokens fed, seconds)
     drafting: float | None = None  # seconds per drafter pass of the block under way, until its verifying pass
     block: int = 0
+    share: float | None = None  # the medians, taken once a block (the planner asks for every drafted column)
+    drafter: float | None = None
 
     def __post_init__(self) -> None:
         self.shares, self.drafter_ratios = deque(maxlen=self.kept), deque(maxlen=self.kept)
@@ -177,10 +179,14 @@ class MeasuredCosts:
                 self.shares.append(_per_token_share((tokens, seconds), (fed, other)))
         self.verifying.append((self.block, tokens, seconds))
         self.block += 1
+        self.share = median(self.shares) if self.shares else None
+        share = self._share()
+        self.drafter = median(ratio * (1 - share + share * fed) for ratio, fed in self.drafter_ratios) \
+            if self.drafter_ratios else None
 
     def _share(self) -> float:
-        if self.shares:
-            return median(self.shares)
+        if self.share is not None:
+            return self.share
         return self.static.per_token / (self.static.verify_base() + self.static.per_token)
 
     def verify_base(self) -> float:
@@ -190,14 +196,11 @@ class MeasuredCosts:
         return self._share()
 
     def drafter_pass(self) -> float:
-        if not self.drafter_ratios:
-            return self.static.drafter
-        share = self._share()
-        return median(ratio * (1 - share + share * tokens) for ratio, tokens in self.drafter_ratios)
+        return self.drafter if self.drafter is not None else self.static.drafter
 
     def verify_ratio(self, tokens: int = 6) -> float | None:
         """What a verifying pass over ``tokens`` tokens costs relative to a one-token pass, once measured."""
-        return 1 + self._share() * (tokens - 1) if self.shares else None
+        return 1 + self._share() * (tokens - 1) if self.share is not None else None
 
 
 def _per_token_share(one: tuple[int, float], other: tuple[int, float]) -> float:

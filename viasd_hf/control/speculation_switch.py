@@ -211,7 +211,7 @@ class SpeculationSwitch:
         (``tail_cost``); at the throughputs measured; yes while either is unknown, or known only from an earlier
         process (``resume``): a probe learns it."""
         speculative, plain = self.speculative.mean(), self.plain.mean()
-        if read_seconds is None or speculative is None or plain is None or (self.remembered and not self.pairs):
+        if read_seconds is None or speculative is None or plain is None or self._only_remembered():
             return True
         return tokens_left * (1 / plain - 1 / speculative) > read_seconds + self.tail_cost()
 
@@ -239,7 +239,7 @@ class SpeculationSwitch:
         """Whether speculation measured slower than plain decoding by ``advice_gap``: a near tie, as a call's first
         blocks can show while new pass shapes are first run, is no reason to tell the user it does not pay; nor is
         what an earlier process measured (``resume``) before this one has measured a pair."""
-        if self.remembered and not self.pairs:
+        if self._only_remembered():
             return False
         speedup = self.speedup()
         return speedup is not None and speedup < 1 - self.advice_gap
@@ -272,6 +272,10 @@ class SpeculationSwitch:
     def evidence(self) -> list[float]:
         """The pairs ``speedup`` takes the median of: this process's, else those an earlier one measured (``resume``)."""
         return self.pairs or self.remembered
+
+    def _only_remembered(self) -> bool:
+        """Whether the pairs ``speedup`` rests on are an earlier process's, this one having measured none yet."""
+        return bool(self.remembered) and not self.pairs
 
     def _pair(self, speculated: bool, seconds: float) -> None:
         """A block near one of the other regime (at most ``PAIR_DISTANCE`` blocks before): what the speculative one
