@@ -33,7 +33,7 @@ from viasd_hf.models.quantization import (
 from viasd_hf.models.quantization import choice as quantization_choice
 from viasd_hf.models.quantization.measure import converted, time_in_rounds
 from viasd_hf.models.quantization.probe import ruled_out_by_screen
-from viasd_hf.models.quantization.reader import fewest_tokens_for_twin
+from viasd_hf.models.quantization.reader import dequantized_twin, fewest_tokens_for_twin
 
 quantization_measure = importlib.import_module("viasd_hf.models.quantization.measure")  # the package's `measure` is a function
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -367,6 +367,31 @@ def test_a_drafter_its_user_quantised_drafts_as_it_is_and_reads_through_its_twin
         assert len(passes["twin"]) == 1 and passes["twin"][0] >= 40, "its twin read the prompt, once"
         assert drafter_precision.drafting_reader(drafter).from_tokens == 32
         assert passes["drafter"] and max(passes["drafter"]) < 32, "the drafter drafted"
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_the_twin_of_a_copy_made_here_takes_its_weights_from_the_source_as_the_kernel_computes_them(architecture):
+    """A torchao int4 copy VIA-SD made: its twin's weights come from the unquantised model, quantised as torchao did
+    (not from the kernel's product with the identity, which costs a pass over as many tokens as a layer has inputs), and
+    they are the weights the kernel computes; a source the copy was not made from is caught, and the kernel used."""
+    scheme = SCHEMES["torchao-int4-weight-only"]
+    if not scheme.available:
+        pytest.skip(f"{scheme.requirement} is not installed")
+    source = tiny_causal_lm(architecture, seed=0, hidden_size=128, intermediate_size=256, dtype=torch.bfloat16)
+    copy = converted(source, scheme)
+    by_kernel = dict(dequantized_twin(copy).named_modules())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "eye", lambda *a, **k: pytest.fail("the kernel computed a weight the source gives"))
+        from_source = dict(dequantized_twin(copy, source).named_modules())
+    layers = [name for name, module in copy.named_modules() if type(getattr(module, "weight", None)).__name__ == "Int4OpaqueTensor"]
+    assert layers, "the copy has int4 layers"
+    for name in layers:
+        ours, kernels = from_source[name].weight, by_kernel[name].weight
+        assert ours.dtype == kernels.dtype and torch.allclose(ours.float(), kernels.float(), rtol=1e-2, atol=1e-3), name
+    other = tiny_causal_lm(architecture, seed=1, hidden_size=128, intermediate_size=256, dtype=torch.bfloat16)
+    strangers = dict(dequantized_twin(copy, other).named_modules())
+    assert all(torch.allclose(strangers[name].weight.float(), by_kernel[name].weight.float(), rtol=1e-2, atol=1e-3)
+               for name in layers), "weights the kernel does not compute are not taken"
 
 
 class _Timed(nn.Module):

@@ -89,7 +89,7 @@ def fastest_form(drafter: nn.Module, shards: Shards | None = None) -> nn.Module:
             form = FORMS[name] if name is not None else None
             made = None if form is None or in_form(drafter, form) else converted(drafter, form)
             drafting = drafter if made is None else made  # a drafter quantised by its user drafts as it is
-            twin = dequantized_twin(drafting)  # before a first pass packs a bitsandbytes model's weights
+            twin = dequantized_twin(drafting, drafter if made is not None else None)  # before bitsandbytes packs
             if twin is not None:
                 fewest = from_rank_zero(shards, lambda: fewest_tokens_for_twin(drafting, twin))
                 _form_of(drafting).reader = Reader(twin, fewest)
