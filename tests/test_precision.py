@@ -341,6 +341,25 @@ def test_a_quantised_drafting_copy_reads_long_prompts_through_its_dequantised_tw
 
 
 @pytest.mark.machine_precision
+def test_where_a_copys_twin_starts_to_pay_is_timed_once_per_architecture_form_and_machine(measured, monkeypatch):
+    """Timing the twin against the copy costs a first call seconds: a later copy of the same architecture in the same
+    form on this machine (as in a new process) reads the length from the cache; another architecture is timed."""
+    scheme = SCHEMES["torchao-int4-weight-only"]
+    if not scheme.available:
+        pytest.skip(f"{scheme.requirement} is not installed")
+    measured[1][0] = scheme.name
+    timed_copies = []
+    monkeypatch.setattr(drafter_precision, "fewest_tokens_for_twin", lambda model, twin: timed_copies.append(model) or 16)
+    target = tiny_causal_lm("llama", seed=0, hidden_size=128, intermediate_size=256)
+    first = drafter_precision.fastest_form(near_copy(target, scale=0.01))
+    later = drafter_precision.fastest_form(near_copy(target, scale=0.02, seed=2))
+    assert timed_copies == [first], "timed once, on the copy"
+    assert drafter_precision.drafting_reader(later).from_tokens == 16, "the later copy reads from the length timed"
+    other = tiny_causal_lm("qwen2", seed=0, hidden_size=128, intermediate_size=256)
+    assert drafter_precision.fastest_form(other) is timed_copies[-1] and len(timed_copies) == 2
+
+
+@pytest.mark.machine_precision
 @pytest.mark.parametrize("reproducible", [None, True])
 def test_a_drafter_its_user_quantised_drafts_as_it_is_and_reads_through_its_twin(reproducible, home, monkeypatch):
     """A drafter handed over in a 4-bit form is not converted; by default a dequantised twin of it, made on its first

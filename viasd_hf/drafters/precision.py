@@ -35,7 +35,7 @@ from viasd_hf.extras import quietly as _quietly
 from viasd_hf.models.quantization import UNQUANTIZED
 from viasd_hf.models.quantization.choice import resolve_drafting_form
 from viasd_hf.models.quantization.measure import converted
-from viasd_hf.models.quantization.reader import dequantized_twin, fewest_tokens_for_twin
+from viasd_hf.models.quantization.reader import dequantized_twin, fewest_tokens_for_twin, remembered_fewest_tokens
 from viasd_hf.models.quantization.schemes import FORMS, Scheme
 
 ATTRIBUTE = "viasd_drafting_form"  # where a model keeps what was made of it for drafting (``DraftingForm``)
@@ -91,11 +91,19 @@ def fastest_form(drafter: nn.Module, shards: Shards | None = None) -> nn.Module:
             drafting = drafter if made is None else made  # a drafter quantised by its user drafts as it is
             twin = dequantized_twin(drafting, drafter if made is not None else None)  # before bitsandbytes packs
             if twin is not None:
-                fewest = from_rank_zero(shards, lambda: fewest_tokens_for_twin(drafting, twin))
+                fewest = from_rank_zero(shards, lambda: _twin_reads_from(drafter, made, form, twin))
                 _form_of(drafting).reader = Reader(twin, fewest)
             kept.copy = made
         copy = kept.copy
     return drafter if copy is None else copy
+
+
+def _twin_reads_from(drafter: nn.Module, copy: nn.Module | None, form: Scheme | None, twin: nn.Module) -> int:
+    """The fewest tokens from which ``twin`` runs a pass faster than the model it is the twin of: the drafter as its
+    user quantised it (timed now), or its ``copy`` in ``form`` (timed once per architecture, form and machine)."""
+    if copy is None:
+        return fewest_tokens_for_twin(drafter, twin)
+    return remembered_fewest_tokens(drafter, form.name, lambda: fewest_tokens_for_twin(copy, twin))
 
 
 def measured_form(drafter: nn.Module) -> str | None:
