@@ -217,7 +217,7 @@ def drafters_as_loaded(request, monkeypatch):
     """Assistant models draft as the test loaded them: the form measured fastest on this machine would make the
     drafting statistics tests assert depend on the machine. Tests of that feature are marked ``machine_precision``."""
     if request.node.get_closest_marker("machine_precision") is None:
-        monkeypatch.setattr(drafter_precision, "fastest_form", lambda drafter, shards=None: drafter)
+        monkeypatch.setattr(drafter_precision, "fastest_form", lambda drafter, shards=None, now=False: drafter)
 
 
 @pytest.fixture

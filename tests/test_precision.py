@@ -301,6 +301,30 @@ def test_a_drafter_measured_fastest_quantised_drafts_as_a_quantised_copy_with_ge
 
 
 @pytest.mark.machine_precision
+def test_a_copy_is_made_once_drafting_as_given_has_cost_what_making_it_took_here(measured, monkeypatch):
+    """Ski rental: where making the copy was timed on this machine (an earlier process), calls draft with the drafter
+    as given, each drafting pass adding what it cost beyond the copy's (fp32 20 ms against 5 ms, as measured), until
+    that reaches what making the copy took (0.1 s); from then on the copy drafts. The output is greedy's throughout."""
+    calls, verdict = measured
+    verdict[0] = "torchao-int8-weight-only"  # runs on every CPU
+    target, drafter = pair()
+    drafter_precision.FormNotes(drafter, verdict[0]).write(making_seconds=0.1)
+    seen = drafting_models(monkeypatch)
+    expected = target.generate(prompt(), max_new_tokens=16, **GREEDY)
+    passes = []
+    while len(passes) < 12 and (not seen or seen[-1] is drafter):
+        out = target.generate(prompt(), assistant_model=drafter, viasd_config=lossless(target), max_new_tokens=16,
+                              return_dict_in_generate=True, **GREEDY)  # fmt: skip
+        assert torch.equal(out.sequences, expected)
+        passes.append(out.viasd_stats.drafter_forwards)
+    given = [model is drafter for model in seen]
+    assert given[0] and not given[-1] and given == sorted(given, reverse=True), "as given first, then the copy"
+    rent = 0.015 * sum(passes[: given.count(True)])
+    assert rent >= 0.1 > rent - 0.015 * passes[given.count(True) - 1], "made once the rent reached the price"
+    assert seen[-1] is drafter_precision.drafting_copy(drafter)
+
+
+@pytest.mark.machine_precision
 @pytest.mark.parametrize("scheme", ["bnb-4bit", "torchao-int4-weight-only"])
 def test_a_quantised_drafting_copy_reads_long_prompts_through_its_dequantised_twin(scheme, measured, monkeypatch):
     """The twin computes the quantised model with plain linear layers and shares everything else; a lossless call
@@ -348,6 +372,7 @@ def test_where_a_copys_twin_starts_to_pay_is_timed_once_per_architecture_form_an
     if not scheme.available:
         pytest.skip(f"{scheme.requirement} is not installed")
     measured[1][0] = scheme.name
+    monkeypatch.setattr(drafter_precision, "making_pays", lambda drafter: True)  # each drafter makes its copy now
     timed_copies = []
     monkeypatch.setattr(drafter_precision, "fewest_tokens_for_twin", lambda model, twin: timed_copies.append(model) or 16)
     target = tiny_causal_lm("llama", seed=0, hidden_size=128, intermediate_size=256)

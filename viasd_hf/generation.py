@@ -31,7 +31,7 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import StaticCosts
 from viasd_hf.control.hybrid_choice import CopyOrDraft
 from viasd_hf.control.verdicts import VerdictStore
-from viasd_hf.drafters.precision import drafter_for_call, drafting_reader
+from viasd_hf.drafters.precision import drafted_as_given, drafter_for_call, drafting_reader
 from viasd_hf.drafters.translating import translating_drafter
 from viasd_hf.drafters.translation import drafter_translation
 from viasd_hf.engine.batch import BatchedDecoder, RaggedCache, check_batch_supported
@@ -159,7 +159,7 @@ def viasd_generate(
     check_batch_supported(model, input_ids, generation_config, drafter, viasd_streamer, stopping_criteria, model_kwargs)
     do_sample = bool(generation_config.do_sample)
     shards = shards_of(model)  # a sharded target's ranks take rank 0's choices (docs/design.md, "Sharded targets")
-    drafter = drafter_for_call(drafter, config, do_sample, shards)
+    given, drafter = drafter, drafter_for_call(drafter, config, do_sample, shards)
     masks = from_rank_zero(shards, lambda: call_masks(model, config, generation_config, drafter))
     slim_mask = masks.slim.default_mask if isinstance(masks.slim, MaskSet) else masks.slim
     prompt_mask = None if is_encoder_decoder(model) else model_kwargs.get("attention_mask")  # the encoder's, there
@@ -189,6 +189,7 @@ def viasd_generate(
                              keep_logits, viasd_streamer, emulated_bf16(model), call_clock(model),
                              VerdictStore(machine_key))
     rows = decoder.run(input_ids, prompt_mask)
+    drafted_as_given(given, drafter, decoder.stats.drafter_forwards)
     pad = generation_config._pad_token_tensor
     pad = None if pad is None else int(pad.flatten()[0])
     sequences = rows.sequences(pad)

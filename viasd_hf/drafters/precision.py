@@ -19,10 +19,19 @@ model, or a bitsandbytes one before its first pass): it drafts as it is, and its
 reads. A 4-bit kernel reading a long prompt is what made such a drafter slower than greedy on Spec-Bench's RAG
 prompts (docs/results.md). The twin costs the dequantised weights' memory; ``reproducible=True`` keeps the drafter
 alone.
+
+Making the copy and its twin costs seconds (about 6 s for the 0.5B drafter in int4 on an AMX Xeon: a first call
+13.6 s where greedy decoding took 5.7 s), which a process that decodes one short answer never earns back. So the
+copy is made the way one rents skis until the rent would have bought them (``making_pays``): a process drafts
+with the drafter as given, adding up what each call's drafting passes cost beyond what the copy's would have (both
+as measured when the forms were compared), and makes the copy once that sum reaches what making it took the last
+time on this machine (``FormNotes``), so it never pays more than twice the better of the two choices. Where making it
+was never timed, the first call makes it.
 """
 from __future__ import annotations
 
 import threading
+import time
 
 from torch import nn
 
@@ -32,10 +41,12 @@ from viasd_hf.control.tier_controller import measures_wall_clock
 from viasd_hf.engine.batch.model_drafts import Reader
 from viasd_hf.engine.shards import Shards, from_rank_zero, shards_of
 from viasd_hf.extras import quietly as _quietly
+from viasd_hf.masks.architectures import config_fingerprint, model_config
+from viasd_hf.models.machine import machine_key, read_record, record_path, write_record
 from viasd_hf.models.quantization import UNQUANTIZED
 from viasd_hf.models.quantization.choice import resolve_drafting_form
 from viasd_hf.models.quantization.measure import converted
-from viasd_hf.models.quantization.reader import dequantized_twin, fewest_tokens_for_twin, remembered_fewest_tokens
+from viasd_hf.models.quantization.reader import dequantized_twin, fewest_tokens_for_twin
 from viasd_hf.models.quantization.schemes import FORMS, Scheme
 
 ATTRIBUTE = "viasd_drafting_form"  # where a model keeps what was made of it for drafting (``DraftingForm``)
@@ -50,6 +61,27 @@ class DraftingForm(ModelLocal):
     def __init__(self) -> None:
         self.copy: nn.Module | None | object = _NOT_YET
         self.reader: Reader | None = None
+        self.rent = 0.0  # seconds drafting as given cost this process beyond the copy's passes (``drafted_as_given``)
+
+
+class FormNotes:
+    """What making a copy of one architecture in one form took on this machine (CPU, threads, library versions), kept
+    in ``$VIASD_HOME/quantization`` for later processes: the seconds making the copy and its twin took
+    (``making_seconds``), and the fewest tokens from which the twin runs a pass faster (``fewest_tokens``)."""
+
+    def __init__(self, source: nn.Module, form: str) -> None:
+        identity = f"{model_config(source).model_type}-architecture-{config_fingerprint(source)}"
+        self.key = {"drafting_copy_of": identity, "form": form, **machine_key()}
+        self.path = record_path(self.key, f"{identity}-{form}-copy")
+
+    def read(self, name: str) -> float | None:
+        notes = (read_record(self.path) or {}).get("notes")
+        value = notes.get(name) if isinstance(notes, dict) else None
+        return value if isinstance(value, (int, float)) and value > 0 else None
+
+    def write(self, **notes: float) -> None:
+        kept = (read_record(self.path) or {}).get("notes")
+        write_record(self.path, {"key": self.key, "notes": (kept if isinstance(kept, dict) else {}) | notes})
 
 
 def _form_of(model: nn.Module) -> DraftingForm:
@@ -65,6 +97,38 @@ def drafter_for_call(drafter: nn.Module | None, config: ViaSDConfig, do_sample: 
     return fastest_form(drafter, shards)
 
 
+def making_pays(drafter: nn.Module) -> bool:
+    """Whether the drafter drafts as its copy from this call on (made now, if not yet): yes where the copy is made,
+    where there is nothing to make, where making one was never timed on this machine, and once drafting as given has
+    cost this process as much as making the copy took (``drafted_as_given``, ``FormNotes``)."""
+    with _LOCK:
+        kept = _form_of(drafter)
+        if kept.copy is not _NOT_YET:
+            return True
+        rent = kept.rent
+    name = measured_form(drafter)
+    if name is None or in_form(drafter, FORMS[name]):
+        return True
+    price = FormNotes(drafter, name).read("making_seconds")
+    return price is None or rent >= price
+
+
+def drafted_as_given(drafter: nn.Module | None, drafting: nn.Module | None, passes: int) -> None:
+    """After a call whose ``passes`` drafting passes ran on ``drafting``: where that was the drafter as given while a
+    copy in a faster form is still to be made, what those passes cost beyond the copy's, at the one-token passes of
+    both forms measured when they were compared, adds to the rent ``making_pays`` weighs."""
+    if drafter is None or drafting is not drafter or passes <= 0 or drafter.__dict__.get(ATTRIBUTE) is None:
+        return
+    name = measured_form(drafter)
+    if name is None or in_form(drafter, FORMS[name]):
+        return
+    passes_ms = {m.scheme: m.decode_ms for m in resolve_drafting_form(drafter, progress=False).measurements}
+    given = next((form.name for form in UNQUANTIZED.values() if form.dtype == drafter.dtype), None)
+    if passes_ms.get(given) and passes_ms.get(name):
+        with _LOCK:
+            _form_of(drafter).rent += passes * max(passes_ms[given] - passes_ms[name], 0.0) / 1000
+
+
 def convertible(drafter: nn.Module) -> bool:
     """An unquantised model on CPU in a form that is measured (float64 stays: it asks for exactness, not speed), whole
     on this rank (a sharded model's passes are collectives, which rank 0 cannot run alone to measure them)."""
@@ -77,19 +141,26 @@ def convertible(drafter: nn.Module) -> bool:
     return drafter.dtype in {form.dtype for form in UNQUANTIZED.values()}
 
 
-def fastest_form(drafter: nn.Module, shards: Shards | None = None) -> nn.Module:
-    """The drafter's copy in its fastest form on this machine, made on its first call; the drafter itself when it
-    is in that form already or cannot be converted. Calls wait for one another, so one copy is made. Drafting for a
-    target sharded over ``shards``, every rank drafts in the form, and reads from the length, that rank 0 measured:
-    the ranks' drafts must be the same (``engine.shards``)."""
+def fastest_form(drafter: nn.Module, shards: Shards | None = None, now: bool = False) -> nn.Module:
+    """The drafter's copy in its fastest form on this machine, made once making it pays (``making_pays``; ``now``:
+    at once, as a bench comparing steady states wants it); the drafter itself until then, and where it is in that form
+    already or cannot be converted. Calls wait for one another, so one copy is made. Drafting for a target sharded over
+    ``shards``, every rank drafts in the form, reads from the length, and makes the copy when, rank 0 measured: the
+    ranks' drafts must be the same (``engine.shards``)."""
+    with _quietly():
+        if not now and not from_rank_zero(shards, lambda: making_pays(drafter)):
+            return drafter
     with _LOCK, _quietly():
         kept = _form_of(drafter)
         if kept.copy is _NOT_YET:
             name = from_rank_zero(shards, lambda: measured_form(drafter))
             form = FORMS[name] if name is not None else None
+            started = time.perf_counter()
             made = None if form is None or in_form(drafter, form) else converted(drafter, form)
             drafting = drafter if made is None else made  # a drafter quantised by its user drafts as it is
             twin = dequantized_twin(drafting, drafter if made is not None else None)  # before bitsandbytes packs
+            if made is not None:
+                FormNotes(drafter, form.name).write(making_seconds=time.perf_counter() - started)
             if twin is not None:
                 fewest = from_rank_zero(shards, lambda: _twin_reads_from(drafter, made, form, twin))
                 _form_of(drafting).reader = Reader(twin, fewest)
@@ -103,7 +174,12 @@ def _twin_reads_from(drafter: nn.Module, copy: nn.Module | None, form: Scheme | 
     user quantised it (timed now), or its ``copy`` in ``form`` (timed once per architecture, form and machine)."""
     if copy is None:
         return fewest_tokens_for_twin(drafter, twin)
-    return remembered_fewest_tokens(drafter, form.name, lambda: fewest_tokens_for_twin(copy, twin))
+    notes = FormNotes(drafter, form.name)
+    fewest = notes.read("fewest_tokens")
+    if fewest is None:
+        fewest = fewest_tokens_for_twin(copy, twin)
+        notes.write(fewest_tokens=fewest)
+    return int(fewest)
 
 
 def measured_form(drafter: nn.Module) -> str | None:

@@ -16,6 +16,7 @@ from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.bench.batches import decoder, left_pad
 from viasd_hf.bench.runner import encode
 from viasd_hf.data.tasks import load_examples
+from viasd_hf.drafters.precision import fastest_form
 from viasd_hf.models.loading import load_pretrained
 
 size = int(sys.argv[1]) if len(sys.argv) > 1 else 4
@@ -25,6 +26,7 @@ max_new_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 128
 
 target, tokenizer = load_pretrained("qwen2.5-coder-1.5b-instruct", dtype="auto")
 drafter, _ = load_pretrained("qwen2.5-coder-0.5b-instruct", dtype="auto")
+fastest_form(drafter, now=True)  # the drafting copy made before the calls, as a bench makes it
 enable_viasd(target)
 pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 eos = set(torch.as_tensor(target.generation_config.eos_token_id).flatten().tolist())

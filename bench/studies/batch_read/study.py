@@ -27,7 +27,7 @@ drafter, _ = load_pretrained("qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
 enable_viasd(target)
 pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 ids, mask = left_pad([encode(tokenizer, e.prompt) for e in load_examples("humaneval", size)], pad)
-copy = fastest_form(drafter)
+copy = fastest_form(drafter, now=True)
 forms = {"drafter bf16": drafter, "drafter as VIA-SD drafts": copy}
 if prompt_reader(copy) is not None:
     forms["its reader"] = prompt_reader(copy)

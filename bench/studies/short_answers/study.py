@@ -1,7 +1,7 @@
 """Why short answers stay near 1.3x greedy: per Spec-Bench task, what lossless VIA-SD's own passes cost and keep.
 
 Decodes the first prompt of each task (``viasd bench --limit 1``'s) with ``ViaSDConfig()`` and the bf16 pair, as a user
-would, twice (the first call measures and converts the drafter), and prints from the second call's ``viasd_stats``:
+would, twice (the first call measures its passes' shapes), and prints from the second call's ``viasd_stats``:
 tokens per block, drafts per speculative block, the target's and the drafter's seconds per pass (the target's include
 the pass that read the prompt) and their ratio c; then α, how often the bf16 drafter's first choice is the output's
 next token (teacher-forced on it; and how often one of its first three is), the ceiling of chain drafting, max over k of (1 + α + … + α^k) / (1 + k·c), and the
@@ -17,6 +17,7 @@ import torch
 from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.bench.runner import encode
 from viasd_hf.data.tasks import load_examples
+from viasd_hf.drafters.precision import fastest_form
 from viasd_hf.models.loading import load_pretrained
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
@@ -40,6 +41,7 @@ def cost_for(kept: float, speedup: float = 1.6) -> float:
 def main() -> None:
     target, tokenizer = load_pretrained(TARGET, dtype=torch.bfloat16)
     drafter, _ = load_pretrained(DRAFTER, dtype=torch.bfloat16)
+    fastest_form(drafter, now=True)  # the drafting copy made before the calls, as a bench makes it
     enable_viasd(target)
     for example in load_examples("spec_bench", 1):
         ids = encode(tokenizer, example.prompt)

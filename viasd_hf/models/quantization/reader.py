@@ -14,8 +14,8 @@ dequantised weights' memory: 2 bytes per weight of the linear layers, about 0.7 
 
 Where the twin starts to pay is the machine's (docs/results.md, "Batches on an AMX Xeon"). A batch's drafting pass
 that feeds each row what it committed since its last draft carries tens of tokens, so the length is measured where
-the twin is made (``fewest_tokens_for_twin``), not assumed, and for a copy made here remembered per architecture,
-form and machine (``remembered_fewest_tokens``): timing it costs a process's first call seconds.
+the twin is made (``fewest_tokens_for_twin``), not assumed (for a copy VIA-SD made, once per architecture, form and
+machine: ``drafters.precision.FormNotes``).
 
 Two kinds of quantised layer are dequantised: bitsandbytes' ``Linear4bit``, by bitsandbytes' own
 ``dequantize_4bit`` (before a first pass packs its weights for the CPU kernel), and a linear layer
@@ -40,8 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from viasd_hf.extras import require
-from viasd_hf.masks.architectures import config_fingerprint, model_config
-from viasd_hf.models.machine import machine_key, read_record, record_path, write_record
 
 
 def dequantized_twin(model: nn.Module, source: nn.Module | None = None) -> nn.Module | None:
@@ -101,20 +99,6 @@ def fewest_tokens_for_twin(model: nn.Module, twin: nn.Module, sizes: tuple[int, 
         if twin_wins(index):
             return sizes[index]
     return 2 * max(sizes)
-
-
-def remembered_fewest_tokens(source: nn.Module, form: str, measure: Callable[[], int]) -> int:
-    """``measure()`` (``fewest_tokens_for_twin``) for a copy in ``form`` of a model of ``source``'s architecture, read
-    from ``$VIASD_HOME/quantization`` where this machine (CPU, threads, library versions) measured it before."""
-    identity = f"{model_config(source).model_type}-architecture-{config_fingerprint(source)}"
-    key = {"twin_reads_from": identity, "form": form, **machine_key()}
-    path = record_path(key, f"{identity}-{form}-twin")
-    fewest = (read_record(path) or {}).get("fewest_tokens")
-    if isinstance(fewest, int) and fewest > 0:
-        return fewest
-    fewest = measure()
-    write_record(path, {"key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "fewest_tokens": fewest})
-    return fewest
 
 
 @torch.no_grad()
