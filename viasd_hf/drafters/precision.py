@@ -20,8 +20,8 @@ reads. A 4-bit kernel reading a long prompt is what made such a drafter slower t
 prompts (docs/results.md). The twin costs the dequantised weights' memory; ``reproducible=True`` keeps the drafter
 alone.
 
-Making the copy and its twin costs seconds (about 6 s for the 0.5B drafter in int4 on an AMX Xeon: a first call
-13.6 s where greedy decoding took 5.7 s), which a process that decodes one short answer never earns back. So the
+Making the copy and its twin costs seconds (11 s for the 0.5B drafter in int4 on an AMX Xeon, reading its weights
+included), which a process that decodes one short answer (4 to 6 s there) never earns back. So the
 copy is made the way one rents skis until the rent would have bought them (``making_pays``): a process drafts
 with the drafter as given, adding up what each call's drafting passes cost beyond what the copy's would have (both
 as measured when the forms were compared), and makes the copy once that sum reaches what making it took the last
