@@ -102,3 +102,18 @@ def test_a_verdict_remembered_from_a_busy_hour_gives_way_to_what_this_process_me
     assert stats.plain_blocks <= stale.schedule.every + 1, "the first probe's own pairs overturned the stale verdict"
     assert "does not pay" not in caplog.text
     assert json.loads(path.read_text())["speculating"]
+
+
+def test_a_drafters_quantised_copy_keeps_its_verdict_apart_from_the_drafters():
+    """The drafter as given and its 4-bit copy draft at different paces under one name, architecture and dtype: a
+    process that drafted as given (before making the copy paid) must not leave its verdict to the copy, nor the copy
+    to the drafter; the same drafter in a new process (another object) finds its own."""
+    target = tiny_causal_lm("llama", seed=0)
+    store = verdicts.VerdictStore(lambda: {"cpu": "test"})
+
+    def path(drafter):
+        return store.path(target, drafter, ("assistant", id(drafter), None, None, None))
+
+    drafter, later, copy = (tiny_causal_lm("llama", seed=1) for _ in range(3))
+    copy.config.quantization_config = {"quant_method": "torchao"}  # as a quantised model's config holds it
+    assert path(drafter) == path(later) != path(copy)

@@ -62,11 +62,16 @@ class VerdictStore:
 
 
 def model_identity(model: nn.Module | None) -> list[str] | None:
-    """What names a model across processes: its path (or Hub id), its architecture's fingerprint and its dtype."""
+    """What names a model across processes: its path (or Hub id), its architecture's fingerprint, its dtype and its
+    quantisation (a drafter's 4-bit copy drafts at another pace than the drafter it was made from, under one name)."""
     if model is None:
         return None
     path = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
-    return [path, config_fingerprint(model), str(getattr(model, "dtype", ""))]
+    quantization = getattr(getattr(model, "config", None), "quantization_config", None)
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    method = str(getattr(method, "value", method) or "")  # an enum in transformers' configs, a string once saved
+    return [path, config_fingerprint(model), str(getattr(model, "dtype", "")), method]
 
 
 def stable(key: Hashable, drafter_id: int) -> Hashable:
