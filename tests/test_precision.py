@@ -324,6 +324,25 @@ def test_a_copy_is_made_once_drafting_as_given_has_cost_what_making_it_took_here
     assert seen[-1] is drafter_precision.drafting_copy(drafter)
 
 
+@pytest.mark.parametrize("plain_seconds, lost", [(0.2, 2.5), (0.1, 1.5)])
+def test_a_call_drafting_as_given_loses_its_passes_difference_and_where_the_copy_would_speculate_its_plain_blocks(
+        plain_seconds, lost):
+    """10 drafting passes 0.15 s dearer than the copy's: 1.5 s. The call decoded 15 blocks plainly, its 5 speculative
+    ones committing 3 tokens in 0.7 s with 2 passes each (slower than plain blocks of 1 token in 0.2 s); with the copy
+    they would take 0.4 s, faster than plain, so each plain token lost 0.2 - 0.4 / 3 s: 1 s more. Against plain blocks
+    of 0.1 s the copy's pace would not have won: the passes alone."""
+    from types import SimpleNamespace
+
+    from viasd_hf.control.speculation_switch import SpeculationSwitch
+
+    switch = SpeculationSwitch()
+    for speculated, tokens, seconds in [(True, 3, 0.7), (False, 1, plain_seconds)] * 4:
+        switch.observe(speculated, tokens, seconds)
+    stats = SimpleNamespace(drafter_forwards=10, blocks=20, plain_blocks=15, batch_size=1)
+    assert drafter_precision.lost_to_drafting_as_given(stats, switch, 0.15) == pytest.approx(lost)
+    assert drafter_precision.lost_to_drafting_as_given(stats, None, 0.15) == pytest.approx(1.5)
+
+
 @pytest.mark.machine_precision
 @pytest.mark.parametrize("scheme", ["bnb-4bit", "torchao-int4-weight-only"])
 def test_a_quantised_drafting_copy_reads_long_prompts_through_its_dequantised_twin(scheme, measured, monkeypatch):

@@ -189,7 +189,7 @@ def viasd_generate(
                              keep_logits, viasd_streamer, emulated_bf16(model), call_clock(model),
                              VerdictStore(machine_key))
     rows = decoder.run(input_ids, prompt_mask)
-    drafted_as_given(given, drafter, decoder.stats.drafter_forwards)
+    drafted_as_given(given, drafter, decoder.stats, decoder.switch)
     pad = generation_config._pad_token_tensor
     pad = None if pad is None else int(pad.flatten()[0])
     sequences = rows.sequences(pad)

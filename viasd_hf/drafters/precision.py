@@ -23,20 +23,23 @@ alone.
 Making the copy and its twin costs seconds (11 s for the 0.5B drafter in int4 on an AMX Xeon, reading its weights
 included), which a process that decodes one short answer (4 to 6 s there) never earns back. So the
 copy is made the way one rents skis until the rent would have bought them (``making_pays``): a process drafts
-with the drafter as given, adding up what each call's drafting passes cost beyond what the copy's would have (both
-as measured when the forms were compared), and makes the copy once that sum reaches what making it took the last
-time on this machine (``FormNotes``), so it never pays more than twice the better of the two choices. Where making it
-was never timed, the first call makes it.
+with the drafter as given, adding up what each call lost against the copy (``lost_to_drafting_as_given``: its
+drafting passes' difference, as measured when the forms were compared, and what its plain blocks would have saved
+speculating at the copy's pace), and makes the copy once that sum reaches what making it took the last time on this
+machine (``FormNotes``), so it never pays much more than twice the better of the two choices. Where making it was
+never timed, the first call makes it.
 """
 from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from torch import nn
 
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.memory import ModelLocal, kept_on
+from viasd_hf.control.speculation_switch import SpeculationSwitch
 from viasd_hf.control.tier_controller import measures_wall_clock
 from viasd_hf.engine.batch.model_drafts import Reader
 from viasd_hf.engine.shards import Shards, from_rank_zero, shards_of
@@ -113,11 +116,13 @@ def making_pays(drafter: nn.Module) -> bool:
     return price is None or rent >= price
 
 
-def drafted_as_given(drafter: nn.Module | None, drafting: nn.Module | None, passes: int) -> None:
-    """After a call whose ``passes`` drafting passes ran on ``drafting``: where that was the drafter as given while a
-    copy in a faster form is still to be made, what those passes cost beyond the copy's, at the one-token passes of
-    both forms measured when they were compared, adds to the rent ``making_pays`` weighs."""
-    if drafter is None or drafting is not drafter or passes <= 0 or drafter.__dict__.get(ATTRIBUTE) is None:
+def drafted_as_given(drafter: nn.Module | None, drafting: nn.Module | None, stats: Any,
+                     switch: SpeculationSwitch | None) -> None:
+    """After a call that drafted with ``drafting``: where that was the drafter as given while a copy in a faster form is
+    still to be made, what the call lost against the copy (``lost_to_drafting_as_given``, its ``stats`` and the
+    speculation ``switch`` it decided with), at the one-token passes of both forms measured when they were compared,
+    adds to the rent ``making_pays`` weighs."""
+    if drafter is None or drafting is not drafter or drafter.__dict__.get(ATTRIBUTE) is None:
         return
     name = measured_form(drafter)
     if name is None or in_form(drafter, FORMS[name]):
@@ -125,8 +130,28 @@ def drafted_as_given(drafter: nn.Module | None, drafting: nn.Module | None, pass
     passes_ms = {m.scheme: m.decode_ms for m in resolve_drafting_form(drafter, progress=False).measurements}
     given = next((form.name for form in UNQUANTIZED.values() if form.dtype == drafter.dtype), None)
     if passes_ms.get(given) and passes_ms.get(name):
+        lost = lost_to_drafting_as_given(stats, switch, max(passes_ms[given] - passes_ms[name], 0.0) / 1000)
         with _LOCK:
-            _form_of(drafter).rent += passes * max(passes_ms[given] - passes_ms[name], 0.0) / 1000
+            _form_of(drafter).rent += lost
+
+
+def lost_to_drafting_as_given(stats: Any, switch: SpeculationSwitch | None, cheaper: float) -> float:
+    """The seconds a call (``stats``: ``BatchViaSDStats``) lost by drafting with a drafter whose passes each take
+    ``cheaper`` seconds more than its copy's: every drafting pass's difference; and, for the blocks it decoded plainly
+    (where the drafter as given was too slow for speculation to pay), what speculating at the copy's pace would have
+    saved, that pace being the ``switch``'s speculative blocks with each of their drafting passes ``cheaper``."""
+    lost = stats.drafter_forwards * cheaper
+    speculative = stats.blocks - stats.plain_blocks
+    if switch is None or not speculative or not stats.plain_blocks:
+        return lost
+    pace, plain_pace, tokens = switch.speculative.mean(), switch.plain.mean(), switch.tokens[True].mean()
+    if not (pace and plain_pace and tokens):
+        return lost
+    copys_block = tokens / pace - stats.drafter_forwards / speculative * cheaper  # a speculative block's seconds
+    if copys_block <= 0:
+        return lost
+    saved_per_token = 1 / plain_pace - copys_block / tokens
+    return lost + max(saved_per_token, 0.0) * stats.plain_blocks * stats.batch_size
 
 
 def convertible(drafter: nn.Module) -> bool:
