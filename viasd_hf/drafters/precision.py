@@ -64,7 +64,7 @@ class DraftingForm(ModelLocal):
     def __init__(self) -> None:
         self.copy: nn.Module | None | object = _NOT_YET
         self.reader: Reader | None = None
-        self.rent = 0.0  # seconds drafting as given cost this process beyond the copy's passes (``drafted_as_given``)
+        self.rent = 0.0  # seconds this process's calls lost drafting as given, against the copy (``drafted_as_given``)
 
 
 class FormNotes:
