@@ -214,8 +214,8 @@ def drafting_models(monkeypatch) -> list:
     return seen
 
 
-def pair():
-    target = enable_viasd(tiny_causal_lm("llama", seed=0))
+def pair(architecture: str = "llama"):
+    target = enable_viasd(tiny_causal_lm(architecture, seed=0))
     return target, near_copy(target, scale=0.01)
 
 
@@ -301,13 +301,14 @@ def test_a_drafter_measured_fastest_quantised_drafts_as_a_quantised_copy_with_ge
 
 
 @pytest.mark.machine_precision
-def test_a_copy_is_made_once_drafting_as_given_has_cost_what_making_it_took_here(measured, monkeypatch):
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+def test_a_copy_is_made_once_drafting_as_given_has_cost_what_making_it_took_here(architecture, measured, monkeypatch):
     """Ski rental: where making the copy was timed on this machine (an earlier process), calls draft with the drafter
     as given, each drafting pass adding what it cost beyond the copy's (fp32 20 ms against 5 ms, as measured), until
     that reaches what making the copy took (0.1 s); from then on the copy drafts. The output is greedy's throughout."""
     calls, verdict = measured
     verdict[0] = "torchao-int8-weight-only"  # runs on every CPU
-    target, drafter = pair()
+    target, drafter = pair(architecture)
     drafter_precision.FormNotes(drafter, verdict[0]).write(making_seconds=0.1)
     seen = drafting_models(monkeypatch)
     expected = target.generate(prompt(), max_new_tokens=16, **GREEDY)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 from torch import nn
 
@@ -42,6 +41,7 @@ from viasd_hf.control.memory import ModelLocal, kept_on
 from viasd_hf.control.speculation_switch import SpeculationSwitch
 from viasd_hf.control.tier_controller import measures_wall_clock
 from viasd_hf.engine.batch.model_drafts import Reader
+from viasd_hf.engine.batch.stats import BatchViaSDStats
 from viasd_hf.engine.shards import Shards, from_rank_zero, shards_of
 from viasd_hf.extras import quietly as _quietly
 from viasd_hf.masks.architectures import config_fingerprint, model_config
@@ -116,7 +116,7 @@ def making_pays(drafter: nn.Module) -> bool:
     return price is None or rent >= price
 
 
-def drafted_as_given(drafter: nn.Module | None, drafting: nn.Module | None, stats: Any,
+def drafted_as_given(drafter: nn.Module | None, drafting: nn.Module | None, stats: BatchViaSDStats,
                      switch: SpeculationSwitch | None) -> None:
     """After a call that drafted with ``drafting``: where that was the drafter as given while a copy in a faster form is
     still to be made, what the call lost against the copy (``lost_to_drafting_as_given``, its ``stats`` and the
@@ -124,10 +124,13 @@ def drafted_as_given(drafter: nn.Module | None, drafting: nn.Module | None, stat
     adds to the rent ``making_pays`` weighs."""
     if drafter is None or drafting is not drafter or drafter.__dict__.get(ATTRIBUTE) is None:
         return
-    name = measured_form(drafter)
-    if name is None or in_form(drafter, FORMS[name]):
+    if not convertible(drafter):
         return
-    passes_ms = {m.scheme: m.decode_ms for m in resolve_drafting_form(drafter, progress=False).measurements}
+    choice = resolve_drafting_form(drafter, progress=False)
+    name = choice.scheme.name
+    if in_form(drafter, FORMS[name]):
+        return
+    passes_ms = {m.scheme: m.decode_ms for m in choice.measurements}
     given = next((form.name for form in UNQUANTIZED.values() if form.dtype == drafter.dtype), None)
     if passes_ms.get(given) and passes_ms.get(name):
         lost = lost_to_drafting_as_given(stats, switch, max(passes_ms[given] - passes_ms[name], 0.0) / 1000)
@@ -135,8 +138,8 @@ def drafted_as_given(drafter: nn.Module | None, drafting: nn.Module | None, stat
             _form_of(drafter).rent += lost
 
 
-def lost_to_drafting_as_given(stats: Any, switch: SpeculationSwitch | None, cheaper: float) -> float:
-    """The seconds a call (``stats``: ``BatchViaSDStats``) lost by drafting with a drafter whose passes each take
+def lost_to_drafting_as_given(stats: BatchViaSDStats, switch: SpeculationSwitch | None, cheaper: float) -> float:
+    """The seconds a call (its ``stats``) lost by drafting with a drafter whose passes each take
     ``cheaper`` seconds more than its copy's: every drafting pass's difference; and, for the blocks it decoded plainly
     (where the drafter as given was too slow for speculation to pay), what speculating at the copy's pace would have
     saved, that pace being the ``switch``'s speculative blocks with each of their drafting passes ``cheaper``."""
