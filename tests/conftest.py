@@ -257,8 +257,9 @@ def near_pair(request):
 def assert_stats_consistent(stats, new_tokens: int, mode: str, stopped_inside_block: bool = False) -> None:
     """The bookkeeping every VIA-SD call satisfies, whatever the drafter or thresholds.
 
-    A full verification commits exactly one token of the full model's own, so ``full_tokens`` counts
-    the full passes after the prefill. In lossless mode the full model verifies every block and the
+    A full verification commits exactly one token of the full model's own, or two where it kept the drafter's
+    second choice verified beside the draft, so ``full_tokens`` counts the full passes after the prefill and the
+    second choices kept. In lossless mode the full model verifies every block and the
     slim tier never commits on its own authority; in tiered mode a slim pass either commits its block
     or escalates it to one full pass. A stub that decodes with plain ``generate`` and reports empty
     stats fails the first line.
@@ -275,7 +276,8 @@ def assert_stats_consistent(stats, new_tokens: int, mode: str, stopped_inside_bl
     assert 0 <= stats.slim_accepted_tokens <= stats.accepted_tokens <= stats.drafted_tokens
     assert stats.prefill_forwards in (0, 1)
     decode_full_forwards = stats.full_forwards - stats.prefill_forwards
-    assert stats.full_tokens == decode_full_forwards
+    assert stats.full_tokens == decode_full_forwards + stats.second_choices_kept  # a kept second choice gives two
+    assert stats.second_choices_kept <= stats.second_choices
     committed_or_discarded = stats.accepted_tokens + stats.slim_tokens + stats.full_tokens
     if stopped_inside_block:
         assert new_tokens <= committed_or_discarded

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from conftest import VOCAB, left_padded, random_prompts, without_layers
 from viasd_hf import RoutingMask, ViaSDConfig, enable_viasd
+from viasd_hf.engine.batch import position_masks
 from viasd_hf.engine.batch.position_masks import SlidingWindows, layer_windows, unmaskable
 from viasd_hf.engine.batch.ragged_cache import RaggedCache
 from viasd_hf.models.quantization import MeasureOptions
@@ -126,12 +127,12 @@ def test_a_window_counted_in_columns_would_change_the_output(monkeypatch):
     target = sliding_model("mistral")
     assistant = without_layers(target, skip=[2, 3, 4, 5])
     enable_viasd(target)
-    masks = SlidingWindows.masks
+    by_kind = position_masks.by_kind
 
-    def by_column(self, held, positions, queries, model):
-        return masks(self, held, torch.arange(held.shape[1]).expand_as(positions), queries, model)
+    def by_column(seen, positions, windows, model):
+        return by_kind(seen, torch.arange(positions.shape[1]).expand_as(positions), windows, model)
 
-    monkeypatch.setattr(SlidingWindows, "masks", by_column)
+    monkeypatch.setattr(position_masks, "by_kind", by_column)
     rows = prompts()
     out = decode_batch(target, rows, CONFIGS["always_drafting"], assistant_model=assistant)
     with pytest.raises(AssertionError):

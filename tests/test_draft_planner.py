@@ -271,3 +271,19 @@ def test_drafters_that_differ_in_model_vocabulary_or_skipped_layers_are_measured
     assert assistant(model) in identities
     assert drafter_identity(BatchAssistant(model, RowProcessors(), None, frozenset(), 1, cpu), model,
                             ViaSDConfig(drafter_context=256)) not in identities, "reading part of the prompt"
+
+
+def test_second_choices_are_verified_where_their_column_costs_less_than_they_add_and_learned_from_rejections():
+    """A second choice beside draft ``j`` adds ``P_{j-1}·(1 - a(c_j))·a2`` tokens for one column of the verifying pass:
+    worth it where a column costs little, not where verifying costs a pass per token; ``a2`` is calibrated on
+    rejected drafts, whether or not their second choice was fed."""
+    confidences, seconds = [0.9, 0.6, 0.4], [0.05, 0.3, 0.4]
+    cheap = DraftPlanner(StaticCosts(drafter=0.2, per_token=0.01), longest=15)
+    dear = DraftPlanner(StaticCosts(drafter=0.2, per_token=1.0), longest=15)
+    assert cheap.second_choices_worth(confidences, seconds) == [True, True, True]
+    assert dear.second_choices_worth(confidences, seconds) == [False, False, False]
+    assert cheap.second_choices_worth(confidences, [None, 0.3, None]) == [False, True, False]
+    never = DraftPlanner(StaticCosts(drafter=0.2, per_token=0.01), longest=15)
+    for _ in range(40):  # the full model's token is never the drafter's second choice
+        never.observe_second(0.6, 0.3, kept=False)
+    assert never.second_choices_worth(confidences, seconds) == [True, False, True]

@@ -89,7 +89,11 @@ class AcceptanceModel:
         """A verified block: the first ``kept`` of ``judged`` drafts were kept. Drafts after the first
         rejected one were never judged on their own, so they teach nothing."""
         for position, confidence in enumerate(confidences[: min(judged, kept + 1)]):
-            self.by_confidence[self._bin(confidence)].observe(float(position < kept), self.decay)
+            self.observe_one(confidence, position < kept)
+
+    def observe_one(self, confidence: float, kept: bool) -> None:
+        """One draft of ``confidence``, kept or not."""
+        self.by_confidence[self._bin(confidence)].observe(float(kept), self.decay)
 
 
 class PassCosts(Protocol):
@@ -221,6 +225,9 @@ class DraftPlanner:
     longest: int
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     switch: SpeculationSwitch | None = None
+    # where the full model rejects a draft, the chance its token is the drafter's second choice, by that choice's
+    # probability once the first is ruled out (``second_choices_worth``)
+    second: AcceptanceModel = field(default_factory=AcceptanceModel)
 
     def keep_drafting_rows(self, confidences: list[list[float]], drafting: list[bool]) -> bool:
         """Whether a batch drafts one more column for the rows still ``drafting`` (``confidences``: each row's).
@@ -243,6 +250,34 @@ class DraftPlanner:
         block_cost = drafted * draft + base + per_token * (drafted + 1)
         return next_kept * block_cost > expected * (draft + per_token)
 
+    def second_choices_worth(self, confidences: list[float], seconds: list[float | None]) -> list[bool]:
+        """Which of a draft's second choices to verify beside it (``seconds``: the drafter's probability of its second
+        choice at each position, ``None`` where it has none; ``engine.batch.second_choices``).
+
+        The second choice at position ``j`` is kept where the drafts before it were, draft ``j`` was not, and the full
+        model's token there is that choice: ``P_{j−1}·(1 − a(c_j))·a₂(q_j / (1 − c_j))``, where ``a₂`` is the chance
+        the full model's token is the second choice given the drafter's probability of it once its first is ruled
+        out, calibrated on every rejected draft (``observe_second``: the full model's token says so whether or not
+        the choice was fed). It adds that token and the full model's next, for one column more of the verifying pass:
+        worth it iff that chance times ``C(k)`` exceeds ``E(k)·b``. Where a column costs little (a CPU or GPU pass
+        over a few tokens costs about what one token's does) most are worth it; where verifying costs about a pass
+        per token (bf16 emulated on a CPU without it), few are."""
+        expected, _ = self._expectation(confidences)
+        drafted, per_token = len(confidences), self.costs.verify_per_token()
+        block_cost = drafted * self.costs.drafter_pass() + self.costs.verify_base() + per_token * (drafted + 1)
+        worth, all_kept = [], 1.0
+        for confidence, second in zip(confidences, seconds):
+            kept = self.acceptance.kept(confidence)
+            chance = 0.0 if second is None else all_kept * (1 - kept) * self.second.kept(_ruled_out(second, confidence))
+            worth.append(chance * block_cost > expected * per_token)
+            all_kept *= kept
+        return worth
+
+    def observe_second(self, confidence: float, second: float, kept: bool) -> None:
+        """The full model rejected a draft of ``confidence``; its token was (``kept``) or was not the drafter's second
+        choice there, of probability ``second``."""
+        self.second.observe_one(_ruled_out(second, confidence), kept)
+
     def _expectation(self, confidences: list[float]) -> tuple[float, float]:
         """``E(k)`` for a draft of these confidences and the estimate of ``P_{k+1}``."""
         all_kept, expected = 1.0, 1.0
@@ -255,6 +290,11 @@ class DraftPlanner:
     def observe(self, confidences: list[float], judged: int, kept: int) -> None:
         """What the verifiers kept (``kept`` of the ``judged`` first) of a draft a model drew with ``confidences``."""
         self.acceptance.observe(confidences, judged, kept)
+
+
+def _ruled_out(second: float, first: float) -> float:
+    """The drafter's probability of its second choice once its first is ruled out."""
+    return min(second / max(1 - first, 1e-9), 1.0)
 
 
 LONGEST_TWO_TIER_DRAFT = 32  # drafts per block when only the full model verifies: a bound, the stop rule decides

@@ -19,7 +19,7 @@ verdict, and the full model decides (docs/design.md, "The method").
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -30,11 +30,14 @@ from viasd_hf.engine.sampling import RandomStream, cascade_target, one_hot, reje
 @dataclass
 class Draft:
     """Proposed tokens, the processed distribution each was drawn from (``None`` when not drawn from a model), and
-    the drafter's forward passes that made them."""
+    the drafter's forward passes that made them. A greedy model drafter also keeps, at each position, its second
+    choice there (``None`` where the processors allow only one token): a candidate the full model can verify beside
+    the draft (``engine.batch.second_choices``)."""
 
     tokens: list[int]
     probs: list[torch.Tensor | None]
     forwards: int = 0
+    second: list[int | None] = field(default_factory=list)
 
     @property
     def drawn(self) -> bool:
@@ -45,6 +48,12 @@ class Draft:
     def confidences(self) -> list[float]:
         """The drafter's probability of each token it drafted (1 for a deterministic draft)."""
         return [1.0 if probs is None else probs[token].item() for token, probs in zip(self.tokens, self.probs)]
+
+    @property
+    def second_confidences(self) -> list[float | None]:
+        """The drafter's probability of its second choice at each position (``None`` where it has none)."""
+        return [None if token is None or probs is None else probs[token].item()
+                for token, probs in zip(self.second, self.probs)]
 
 
 @dataclass

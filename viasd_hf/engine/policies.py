@@ -72,6 +72,7 @@ class BlockResult:
     seconds: dict[str, float] = field(default_factory=lambda: {"slim": 0.0, "full": 0.0})
     check: SlimCheck | None = None  # a slim pass the full model followed on the same block
     slim_would_commit: int | None = None  # a shadow probe: tokens the slim tier would have committed (0: escalated)
+    second_choice_kept: bool = False  # the full model's token was the drafter's second choice, verified beside the draft
 
 
 @dataclass

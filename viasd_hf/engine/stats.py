@@ -52,6 +52,8 @@ class ViaSDStats:
     slim_shadow_blocks: int = 0
     tier_switches: list[dict] = field(default_factory=list)
     slim_tier_verdict: str | None = None
+    second_choices: int = 0  # the drafter's second choices the full model verified beside the draft
+    second_choices_kept: int = 0  # ... and kept: the full model's own token, with its next token from the same pass
     plain_blocks: int = 0  # blocks decoded without a draft, one token each: speculation did not pay (``speculation_switch``)
     speculation_switches: list[dict] = field(default_factory=list)
     speculation_verdict: str | None = None
@@ -81,7 +83,8 @@ class ViaSDStats:
             self.slim_tokens += 1
             self.slim_committed_tokens += block.kept + 1
         else:
-            self.full_tokens += 1
+            self.full_tokens += 1 + int(block.second_choice_kept)
+        self.second_choices_kept += int(block.second_choice_kept)
         self.regenerated_tokens += int(block.regenerated)
         self.escalated_blocks += int(block.escalated)
         self.escalated_tokens += int(block.escalated)

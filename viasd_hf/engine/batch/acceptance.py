@@ -20,6 +20,7 @@ from torch import nn
 from viasd_hf.engine.accept import Draft, accept_prefix
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
+from viasd_hf.engine.batch.second_choices import Beside, fed_beside
 from viasd_hf.engine.clock import Clock
 from viasd_hf.engine.policies import (
     BlockResult,
@@ -71,3 +72,25 @@ def scored(model: nn.Module, target: RaggedCache, rows: Rows, drafts: list[list[
     seconds = clock.since(started)
     return [row_view(logits[i, len(feed) - len(draft) - 1 :], row, draft, processors, seconds, len(feed))
             for i, (row, feed, draft) in enumerate(zip(rows.active, feeds, drafts))]
+
+
+def scored_beside(model: nn.Module, target: RaggedCache, rows: Rows, drafts: list[Draft], worth: list[list[bool]],
+                  processors: RowProcessors, clock: Clock) -> tuple[list[TierLogits], list[list[Beside]]]:
+    """The full model's pass over each row's unprocessed committed tokens, draft and, beside it, the drafter's second
+    choices ``worth`` a column (``second_choices``): what each row's pass says about its draft, and its second choices
+    with the logits after each."""
+    fed = [fed_beside(row.unprocessed(), draft, row_worth) for row, draft, row_worth in zip(rows.active, drafts, worth)]
+    tokens, real = right_padded([feed for feed, _, _ in fed], target.mask.device)
+    stands_in = torch.arange(tokens.shape[1], device=tokens.device).repeat(len(fed), 1)
+    for i, (_, stands, _) in enumerate(fed):
+        stands_in[i, : len(stands)] = torch.tensor(stands, device=tokens.device)
+    started = clock.now()
+    logits = target.run(model, tokens, real, keep=tokens.shape[1], stands_in=stands_in)
+    seconds = clock.since(started)
+    views = []
+    for i, (row, draft, (feed, _, beside)) in enumerate(zip(rows.active, drafts, fed)):
+        first = len(feed) - len(beside) - len(draft.tokens) - 1  # the newest committed token's column
+        views.append(row_view(logits[i, first:], row, draft.tokens, processors, seconds, len(feed)))
+        for each in beside:
+            each.logits = logits[i, each.column]
+    return views, [beside for _, _, beside in fed]

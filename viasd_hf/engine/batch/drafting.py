@@ -22,7 +22,14 @@ from torch import nn
 from viasd_hf.control.hybrid_choice import CopyOrDraft
 from viasd_hf.engine.accept import Draft
 from viasd_hf.engine.batch.lookup import PromptLookupDrafter
-from viasd_hf.engine.batch.model_drafts import Reader, drafted_token, kept_prefix, reading_model, unread_window
+from viasd_hf.engine.batch.model_drafts import (
+    Reader,
+    drafted_token,
+    kept_prefix,
+    reading_model,
+    second_choice,
+    unread_window,
+)
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Row, Rows
 from viasd_hf.engine.processors import RowProcessors
@@ -135,6 +142,8 @@ class _BatchModelDrafting:
         token, probs = chosen
         draft.tokens.append(token)
         draft.probs.append(probs)
+        if rng is None:
+            draft.second.append(second_choice(scores))
         if token in self.end_tokens or len(draft.tokens) >= limit:
             return False
         if not stop_when_unsure:

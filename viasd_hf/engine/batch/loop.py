@@ -39,11 +39,12 @@ from viasd_hf.control.draft_planner import MeasuredCosts, longest_draft
 from viasd_hf.control.tier_controller import measures_wall_clock
 from viasd_hf.control.verdicts import VerdictStore
 from viasd_hf.engine.attention import fastest_attention
-from viasd_hf.engine.batch.acceptance import full_verdict, ragged, row_view, scored
+from viasd_hf.engine.batch.acceptance import full_verdict, ragged, row_view, scored, scored_beside
 from viasd_hf.engine.batch.drafting import BatchDraft, BatchDrafter
 from viasd_hf.engine.batch.learning import Learners
 from viasd_hf.engine.batch.ragged_cache import RaggedCache, right_padded
 from viasd_hf.engine.batch.rows import Rows
+from viasd_hf.engine.batch.second_choices import Beside, kept_second_choices, verifies_beside, worth_verifying
 from viasd_hf.engine.batch.stats import BatchViaSDStats
 from viasd_hf.engine.clock import Clock
 from viasd_hf.engine.policies import (
@@ -93,6 +94,8 @@ class BatchedDecoder:
         self.rng = rng  # every random draw of a sampling call; None: greedy
         self.rules = VerificationRules(config, rng)
         self.tiered = config.mode == "tiered"
+        # lossless greedy blocks verify the drafter's second choices beside the draft, where the target allows
+        self.beside = not self.tiered and verifies_beside(model, target, greedy=rng is None)
         self.batch_size = target.mask.shape[0]
         self.stats = BatchViaSDStats()
         self.learners = Learners(model, drafter, drafter_model, config, slim_mask, self.batch_size, rng is not None,
@@ -305,16 +308,29 @@ class BatchedDecoder:
 
     def verify(self, draft: BatchDraft, repairs: list[SlimRepair] | None,
                slim_views: list[TierLogits] | None) -> list[BlockResult]:
-        """The full pass over every row's (repaired) draft; each row's verdict. The cache keeps what each row kept."""
+        """The full pass over every row's (repaired) draft, and beside it the drafter's second choices where the block
+        verifies them (``second_choices``); each row's verdict. The cache keeps what each row kept."""
+        if repairs is None and self.beside and self.planner is not None:
+            worth = worth_verifying(self.planner, draft.rows)
+            views, beside = scored_beside(self.model, self.target, self.rows, draft.rows, worth, self.processors,
+                                          self.clock)
+            return self.judge(views, draft.tokens, draft, None, slim_views, beside)
         verified = [repair.verified.tokens for repair in repairs] if repairs is not None else draft.tokens
         return self.judge(self.score(verified, routed=False), verified, draft, repairs, slim_views)
 
     def judge(self, views: list[TierLogits], verified: list[list[int]], draft: BatchDraft,
-              repairs: list[SlimRepair] | None, slim_views: list[TierLogits] | None) -> list[BlockResult]:
-        """Each row's verdict from the full pass's ``views`` of its ``verified`` tokens; the cache forgets the rest."""
+              repairs: list[SlimRepair] | None, slim_views: list[TierLogits] | None,
+              beside: list[list[Beside]] | None = None) -> list[BlockResult]:
+        """Each row's verdict from the full pass's ``views`` of its ``verified`` tokens (and of the second choices fed
+        ``beside`` them); the cache forgets the rest."""
         blocks = [full_verdict(self.rules, view, draft.rows[i], repairs[i] if repairs else None,
                                slim_views[i] if slim_views else None) for i, view in enumerate(views)]
-        rejected = [len(tokens) - block.kept for tokens, block in zip(verified, blocks)]
+        beside = beside if beside is not None else [[] for _ in blocks]
+        if self.beside and self.planner is not None and repairs is None:
+            blocks = kept_second_choices(blocks, views, draft.rows, beside, self.rows.active, self.processors,
+                                         self.target, self.planner)
+        rejected = [len(tokens) + len(fed) - block.kept - int(block.second_choice_kept)
+                    for tokens, fed, block in zip(verified, beside, blocks)]
         self.target.forget_last(torch.tensor(rejected, device=self.target.mask.device))
         self.stats.full_forwards += 1
         self.stats.seconds["full"] += views[0].seconds

@@ -24,6 +24,15 @@ def drafted_token(scores: torch.Tensor, do_sample: bool, rng: RandomStream | Non
     return (sample(probs, rng) if do_sample else int(scores.argmax(-1))), probs
 
 
+def second_choice(scores: torch.Tensor) -> int | None:
+    """The token a greedy drafter ranks second in processed ``scores`` (``[1, vocab]``); ``None`` where the processors
+    allow only one."""
+    if scores.shape[-1] < 2:
+        return None
+    runner_up = scores[0].topk(2)
+    return None if forbidden(runner_up.values[1:]).all() else int(runner_up.indices[1])
+
+
 def kept_prefix(processed: list[int], committed: list[int]) -> int:
     """How many of the tokens a drafter's cache holds (``processed``, in order) it keeps after a block: those up to the
     first that differs from the ``committed`` sequence, but never the newest committed token, which is fed with the

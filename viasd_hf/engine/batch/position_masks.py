@@ -84,9 +84,35 @@ class SlidingWindows:
         query = positions[:, None, -queries:, None]
         key = positions[:, None, None, :]
         seen = held.bool()[:, None, None, :] & (key <= query)  # holes and later tokens hidden: causal by position
-        masks = {kind: in_form(seen if window is None else seen & (query - key < window), model)
-                 for kind, window in self.windows.items()}
-        return next(iter(masks.values())) if len(masks) == 1 else masks
+        return by_kind(seen, positions, self.windows, model)
+
+
+def beside_masks(held: torch.Tensor, real: torch.Tensor, stands_in: torch.Tensor, positions: torch.Tensor,
+                 model: nn.Module) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention masks ``[rows, 1, queries, columns]`` of a pass that feeds, beside a draft, alternatives to some
+    of its tokens (``engine.batch.second_choices``). ``held``: which cache columns hold a token of the row; ``real``:
+    which of the pass's columns do; ``stands_in[r, c]``: for a column fed beside the draft, the pass's column of the
+    token it is an alternative to, for every other column its own. A column sees the row's cache, itself, and the
+    draft's columns before the one it stands in for (so an alternative sees what the token it would replace sees, and
+    nothing fed beside the draft is seen by another column); ``positions`` (every column's) bound sliding windows."""
+    queries = real.shape[1]
+    column = torch.arange(queries, device=real.device)
+    in_draft = stands_in == column  # [rows, queries]
+    new = (column[None, None, :] == column[None, :, None]) | (
+        (column[None, None, :] < stands_in[:, :, None]) & in_draft[:, None, :])
+    seen = torch.cat([held.bool()[:, None, :].expand(-1, queries, -1), new & real[:, None, :]], dim=-1)[:, None]
+    return by_kind(seen, positions, dict(layer_windows(model.config)), model)
+
+
+def by_kind(seen: torch.Tensor, positions: torch.Tensor, windows: dict[str, int | None],
+            model: nn.Module) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``seen`` (``[rows, 1, queries, columns]``, True: attend), bounded in each sliding kind of layer by its window
+    (``positions``: every column's), in ``model``'s form: one mask where all layers are of one kind, else one per kind."""
+    query = positions[:, None, -seen.shape[2]:, None]
+    key = positions[:, None, None, :]
+    masks = {kind: in_form(seen if window is None else seen & (query - key < window), model)
+             for kind, window in windows.items()}
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 def attention_implementation(config: PretrainedConfig) -> str | None:

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache, PretrainedConfig
 
-from viasd_hf.engine.batch.position_masks import SlidingWindows
+from viasd_hf.engine.batch.position_masks import SlidingWindows, beside_masks
 from viasd_hf.engine.kv_cache import crop_to, new_cache, self_attention_layers
 from viasd_hf.vocabulary.head import SubsetHead
 
@@ -79,21 +79,30 @@ class RaggedCache:
         """The share of the cache's cells that hold nothing (left padding included)."""
         return 1.0 - float(self.mask.float().mean()) if self.columns else 0.0
 
-    def layout(self, real: torch.Tensor, model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def layout(self, real: torch.Tensor, model: nn.Module,
+               stands_in: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """For a pass of ``model`` feeding ``real.shape[1]`` columns (``real``: which of them hold a token of the row)
         after the cache's columns: the cache's mask once it holds them, and the pass's attention mask and position
-        ids (none for one row without padding, as ``generate`` feeds a sequence)."""
+        ids (none for one row without padding, as ``generate`` feeds a sequence). With ``stands_in``, some columns
+        are alternatives to others, fed beside a draft (``position_masks.beside_masks``): each takes the position of
+        the column it stands in for and sees what that column sees."""
         mask = torch.cat([self.mask, real.long()], dim=-1)
+        if stands_in is not None:
+            positions = torch.cat([self.mask.cumsum(-1) - 1, self.lengths()[:, None] + stands_in], dim=-1)
+            attention = beside_masks(self.mask, real, stands_in, positions, model)
+            return mask, {"attention_mask": attention, "position_ids": positions[:, self.columns :]}
         if self.contiguous and bool(mask.all()):
             return mask, {}
         positions = mask.cumsum(-1) - 1  # a hole: its row's last position before it; −1 before the row's first token
         attention = mask if self.windows is None else self.windows.masks(mask, positions, real.shape[1], model)
         return mask, {"attention_mask": attention, "position_ids": positions[:, self.columns :].clamp(min=0)}
 
-    def run(self, model: nn.Module, tokens: torch.Tensor, real: torch.Tensor, keep: int) -> torch.Tensor:
+    def run(self, model: nn.Module, tokens: torch.Tensor, real: torch.Tensor, keep: int,
+            stands_in: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[rows, keep, vocab]`` of the last ``keep`` columns of ``tokens`` ``[rows, width]``, fed after the
-        cache's columns; the new columns stay in the cache, holding the tokens ``real`` marks."""
-        mask, layout = self.layout(real, model)
+        cache's columns (``stands_in``: alternatives among them, as ``layout`` takes them); the new columns stay in the
+        cache, holding the tokens ``real`` marks."""
+        mask, layout = self.layout(real, model, stands_in)
         if self.encoder is not None:  # one row (encoder-decoder models decode one prompt at a time), never padded
             output = model(decoder_input_ids=tokens, cache=self.cache, use_cache=True, **self.encoder)
             logits = output.logits[:, -keep:]
@@ -123,6 +132,17 @@ class RaggedCache:
         finally:
             crop_to(self.cache, columns)
             self.mask = mask
+
+    def move(self, rows: list[int], sources: list[int], targets: list[int]) -> None:
+        """Row ``rows[i]``'s column ``sources[i]`` replaces its column ``targets[i]`` in every layer (an alternative
+        the full model kept, fed beside the draft, takes the place of the draft it replaced). Needs plain layers
+        (``kv_cache.full_attention_only``), which hold every column fed."""
+        if not rows:
+            return
+        row, source, target = (torch.tensor(values, device=self.mask.device) for values in (rows, sources, targets))
+        for layer in self_attention_layers(self.cache):
+            layer.keys[row, :, target] = layer.keys[row, :, source]
+            layer.values[row, :, target] = layer.values[row, :, source]
 
     def forget_last(self, counts: torch.Tensor) -> None:
         """Row ``r``'s last ``counts[r]`` tokens become holes (rejected drafts); columns no row holds are cropped."""

@@ -25,7 +25,7 @@ from viasd_hf.engine.stats import ViaSDStats
 
 SUMMED = ("new_tokens", "drafted_tokens", "accepted_tokens", "slim_accepted_tokens", "regenerated_tokens",
           "escalated_tokens", "escalated_blocks", "slim_tokens", "full_tokens", "slim_committed_tokens",
-          "slim_agreed_rows", "slim_compared_rows")
+          "slim_agreed_rows", "slim_compared_rows", "second_choices", "second_choices_kept")
 
 
 @dataclass
