@@ -225,7 +225,8 @@ def speculating(monkeypatch):
     """Every block speculates, whatever the timings say: the speculation switch and the drafter's read always choose
     speculation, so tests of drafting and verifying do not depend on how fast this machine runs them. Everything
     else timings steer (the draft planner's costs, the slim tier's choice) is measured as usual."""
-    from viasd_hf.control.speculation_switch import DrafterRead, SpeculationSwitch
+    from viasd_hf.control.drafter_read import DrafterRead
+    from viasd_hf.control.speculation_switch import SpeculationSwitch
 
     monkeypatch.setattr(SpeculationSwitch, "speculating", property(lambda self: True, lambda self, value: None))
     monkeypatch.setattr(SpeculationSwitch, "speculates", lambda self: True)

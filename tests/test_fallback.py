@@ -16,8 +16,9 @@ from conftest import PassBursts, PassClock, assert_stats_consistent, tiny_causal
 from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.control.backoff import ProbeSchedule
 from viasd_hf.control.draft_planner import MeasuredCosts, StaticCosts
+from viasd_hf.control.drafter_read import DrafterRead
 from viasd_hf.control.faded import FadedMean
-from viasd_hf.control.speculation_switch import SpeculationSwitch, fallback_advice
+from viasd_hf.control.speculation_switch import SOLID_PAIRS, SpeculationSwitch, fallback_advice
 from viasd_hf.models.machine import emulated_bf16
 
 
@@ -101,7 +102,8 @@ def test_a_one_off_cost_makes_probes_rarer_without_counting_as_throughput():
 
 def test_a_probe_of_speculation_counts_the_drafters_read_in_full_in_what_it_is_expected_to_lose():
     """Speculation a little slower than plain decoding (its blocks 5 % short) but a read of 2 s before the probe's
-    first draft: the probe costs the read whatever the rates, so the next one waits as long as the schedule allows
+    first draft, in a call whose drafter has not read (no ``DrafterRead`` says it has): the probe costs the read
+    whatever the rates, so the next one waits as long as the schedule allows
     (2 s is 2 % of 100 s, a thousand plain blocks of 0.1 s); without the read it comes after the doubled interval."""
     switches = {}
     for read in (0.0, 2.0):
@@ -129,6 +131,7 @@ def test_a_block_the_length_limit_cut_short_counts_but_measures_nothing():
 def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than_it_costs():
     switch = SpeculationSwitch()
     assert switch.reading_pays(None, 10) and switch.reading_cost(0.01, 100) is None, "nothing measured: read and learn"
+    switch.pairs = [1.0] * SOLID_PAIRS  # evidence no single burst makes
     switch.speculative.add(20.0, 1.0)  # 20 tokens/s
     switch.plain.add(10.0, 1.0)  # 10 tokens/s: speculating saves 0.05 s a token
     switch.observe_reading(0.004, 0.01)  # the drafter reads a token in 0.4 of the target's prefill time for one
@@ -140,6 +143,61 @@ def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than
     assert switch.reading_pays(read, 31) and not switch.reading_pays(read, 29)
     switch.speculative = FadedMean(5.0, 1.0)  # speculation slower than plain decoding: no read pays
     assert not switch.reading_pays(0.0, 1000)
+
+
+def test_a_plain_verdict_on_thin_evidence_does_not_refuse_a_call_its_read():
+    """Speculation measured slower on one pair, as a burst during a probe can make it: a call whose drafter must read
+    first still reads and probes (a call that never read would never check); on solid evidence it does not."""
+    switch = SpeculationSwitch()
+    switch.speculative.add(5.0, 1.0)
+    switch.plain.add(10.0, 1.0)
+    switch.pairs = [3.0]
+    assert not switch.speculating and switch.reading_pays(1.0, 10)
+    switch.pairs = [3.0] * SOLID_PAIRS
+    assert not switch.reading_pays(1.0, 10_000)
+
+
+def test_once_the_drafter_has_read_a_verdict_on_thin_evidence_is_checked_again_soon():
+    """The first probe of speculation reads the prompts (2 s: twenty plain blocks) and a burst makes its blocks slow,
+    so it decides on one pair that plain decoding is faster. A later probe in the same call feeds the drafter only the
+    tokens decoded plainly since, so it comes after ``schedule.every`` blocks, not once the read would be earned back
+    (``longest``); a call whose drafter has not read still waits for that."""
+    intervals = {}
+    for has_read in (True, False):
+        switch = SpeculationSwitch()
+        read = DrafterRead(switch)
+        for block in range(4):
+            speculated = switch.speculates()
+            if speculated and not read.done and has_read:
+                read.observe_read(2.0, 600)
+            switch.observe(speculated, 3 if speculated else 1, 1.0 if speculated else 0.1,
+                           one_off=2.0 if speculated and block == 2 else 0.0)  # fmt: skip
+        assert not switch.speculating and len(switch.pairs) < SOLID_PAIRS
+        intervals[has_read] = switch.schedule.interval
+    assert intervals == {True: switch.schedule.every, False: switch.schedule.longest}
+
+
+def test_a_burst_during_the_probe_that_read_the_prompt_does_not_keep_the_call_plain(pair, prompt_ids, clock):
+    """The drafter's read of the prompt costs fifty target passes, and the first probe's two verifying passes run
+    twenty times slower (a burst): plain decoding wins that probe on one pair. Every draft is accepted and a drafter
+    pass costs a tenth of the target's, so the next probes, which read nothing, bring speculation back within the
+    call; the output is greedy's."""
+    target, drafter = pair
+    wide = []  # the target's passes over more than one token: the prompt's, then the verifying ones
+
+    def target_pass(tokens):
+        if tokens > 1:
+            wide.append(tokens)
+        return 0.2 if tokens > 1 and len(wide) in (2, 3) else 0.01  # the first probe's two verifying passes
+
+    clock.charge(target, target_pass).charge(drafter, lambda tokens: 0.5 if tokens > 4 else 0.001)
+    out = target.generate(prompt_ids, assistant_model=drafter, viasd_config=ViaSDConfig(use_slim=False),
+                          max_new_tokens=160, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, target.generate(prompt_ids, max_new_tokens=160, do_sample=False))
+    stats = out.viasd_stats
+    assert stats.speculation_switches[0]["block"] > 4, "the burst kept the first probe's verdict plain"
+    assert stats.speculation_verdict.startswith("speculating"), stats.speculation_switches
+    assert stats.plain_blocks <= 0.2 * stats.new_tokens, "plain blocks committed a few of the tokens"
 
 
 @pytest.mark.parametrize("rows, first_call, unread, left", [(3, 24, 180, 24), (1, 80, 60, 8)])

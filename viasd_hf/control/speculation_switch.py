@@ -38,9 +38,13 @@ drafter has not read decodes plainly when the read, priced from what earlier rea
 target's prefill, would not be earned back (``SpeculationSwitch.reading_pays``). So does a single
 sequence whose switch is speculating: on an AVX2-only Zen3, where a bf16 pass over a draft costs about
 what decoding its tokens plainly does, HumanEval calls speculated at parity yet paid the drafter's read
-of the prompt, ending below greedy (docs/results.md, "AVX2-only hardware"). Every probe of speculation after plain blocks pays such a
-read too (the tokens decoded since the drafter last drafted), so a probe's expected loss counts the read
-in full: where speculation loses, probes whose read costs seconds come seldom.
+of the prompt, ending below greedy (docs/results.md, "AVX2-only hardware"). A probe of speculation in a call whose
+drafter has not read pays that read, so its expected loss counts the read in full: where speculation loses, such
+probes come seldom. Once the drafter has read, a probe feeds it only the tokens decoded plainly since, and a verdict
+resting on few pairs is checked again soon; nor does a plain verdict on few pairs refuse the next call its read, or
+a burst during one probe would keep later calls plain: beside a bursty neighbour, calls of four rows decoded plainly
+throughout on two pairs' evidence, though speculative blocks ran 1.40x plain ones (docs/results.md, "Batches on an
+AMX Xeon").
 
 A speculating batch pays a second cost once per call: its rows accept different numbers of drafts, so
 they finish apart, and the call ends with its slowest rows, later than the full batch's speculative
@@ -108,6 +112,7 @@ class SpeculationSwitch:
     remembered: list[float] = field(default_factory=list)  # ``pairs`` an earlier process measured (``resume``)
     probe_ended: int = 0  # the block at which the latest probe ended
     latest: dict[bool, tuple[int, float]] = field(default_factory=dict)  # per regime: its latest block, seconds
+    drafter_has_read: bool = False  # whether this call's drafter has read its prompts (``DrafterRead``)
 
     def speculates(self) -> bool:
         """Whether the next block drafts."""
@@ -209,9 +214,12 @@ class SpeculationSwitch:
         """Whether speculating over at most ``tokens_left`` more tokens saves more than it costs once per call: the
         ``read_seconds`` the drafter needs before it drafts and, for a batch, what its end is expected to lose
         (``tail_cost``); at the throughputs measured; yes while either is unknown, or known only from an earlier
-        process (``resume``): a probe learns it."""
+        process (``resume``), or while decoding plainly on thin evidence (``_thin_evidence``: a burst of load can make
+        speculation look slower for a probe or two; a call that never read would never check): a probe learns it."""
         speculative, plain = self.speculative.mean(), self.plain.mean()
         if read_seconds is None or speculative is None or plain is None or self._only_remembered():
+            return True
+        if not self.speculating and self._thin_evidence():
             return True
         return tokens_left * (1 / plain - 1 / speculative) > read_seconds + self.tail_cost()
 
@@ -232,8 +240,11 @@ class SpeculationSwitch:
         return median(latest) if latest else None
 
     def probe_read(self) -> float:
-        """The seconds a probe pays once before its first block: the drafter's read, for a probe of speculation."""
-        return (self.reads.mean() or 0.0) if not self.speculating else 0.0
+        """The seconds a probe pays once before its first block: the drafter's read, for a probe of speculation in a
+        call whose drafter has not read its prompts. Once it has, a probe's first draft pass feeds only what was
+        decoded plainly since, a few tokens a block: that costs in proportion to the blocks waited, so no interval
+        earns it back, and a verdict a burst made is checked again soon within the call."""
+        return (self.reads.mean() or 0.0) if not self.speculating and not self.drafter_has_read else 0.0
 
     def clearly_loses(self) -> bool:
         """Whether speculation measured slower than plain decoding by ``advice_gap``: a near tie, as a call's first
@@ -320,60 +331,6 @@ class SpeculationSwitch:
         self.schedule.switched(self.block, at_least=self._blocks_to_earn_back())
         self.switches.append({"block": self.block, "regime": "speculating" if self.speculating else "plain",
                               "reason": self.describe()})  # fmt: skip
-
-
-@dataclass
-class DrafterRead:
-    """A call's drafter reading what it has not read before its first draft, priced for the switch.
-
-    The read is priced against the target's prefill (seconds per token the target reads): this call's once the target
-    has read the prompt, else the faded mean of earlier calls' (where the first block carries the prompts, the drafter reads
-    before the target's first pass). ``pays`` says whether a read of ``tokens`` is worth it with ``left`` tokens to decode
-    (``SpeculationSwitch.reading_pays``) and, the first time it is not, why (``verdict``). Without a switch (timings
-    may not steer) every read pays."""
-
-    switch: SpeculationSwitch | None
-    done: bool = False  # whether the drafter has read
-    prefill_per_token: float | None = None  # the target's seconds per token read, in this call
-    unpriced: tuple[float, int] | None = None  # a read (seconds, tokens) made before the target's prefill was timed
-    verdict: str | None = None  # why the drafter has not read: its read would not pay
-
-    def observe_prefill(self, seconds: float, tokens: int) -> None:
-        """The target's prefill in this call: ``seconds`` for ``tokens`` (columns of a batched pass)."""
-        if self.switch is None or seconds <= 0 or tokens <= 0:
-            return
-        self.prefill_per_token = seconds / tokens
-        self.switch.observe_prefill(self.prefill_per_token)
-        self._price()
-
-    def observe_read(self, seconds: float, tokens: int) -> None:
-        """The drafter read ``tokens`` in ``seconds``."""
-        self.done, self.verdict = True, None
-        if self.switch is not None and tokens > 0:
-            self.unpriced = (seconds, tokens)
-            self._price()
-
-    def pays(self, tokens: int, left: int) -> bool:
-        """Whether reading ``tokens`` before drafting is expected to be earned back over the ``left`` tokens the call
-        may still decode; the first time it is not, ``verdict`` says why."""
-        if self.switch is None:
-            return True
-        prefill = self.prefill_per_token or self.switch.prefill.mean()
-        read = self.switch.reading_cost(prefill, tokens) if prefill else None
-        if self.switch.reading_pays(read, left):
-            return True
-        if self.verdict is None:
-            tail = self.switch.tail_cost()
-            apart = f" and rows finishing apart would lose about {tail:.1f} s more" if tail >= 0.05 else ""
-            self.verdict = (f"plain decoding: the drafter would first read {tokens} tokens (about {read:.1f} s){apart}, "
-                            f"more than speculating can save over the {left} tokens left ({self.switch.describe()})")
-        return False
-
-    def _price(self) -> None:
-        if self.unpriced is not None and self.prefill_per_token:
-            seconds, tokens = self.unpriced
-            self.switch.observe_reading(seconds / tokens, self.prefill_per_token)
-            self.unpriced = None
 
 
 # a 6-token pass costing this many one-token passes or more is what emulated bf16 does (docs/results.md, "AVX2-only
