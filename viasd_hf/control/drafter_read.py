@@ -24,6 +24,10 @@ class DrafterRead:
     unpriced: tuple[float, int] | None = None  # a read (seconds, tokens) made before the target's prefill was timed
     verdict: str | None = None  # why the drafter has not read: its read would not pay
 
+    def __post_init__(self) -> None:
+        if self.switch is not None:
+            self.switch.drafter_has_read = self.done
+
     def observe_prefill(self, seconds: float, tokens: int) -> None:
         """The target's prefill in this call: ``seconds`` for ``tokens`` (columns of a batched pass)."""
         if self.switch is None or seconds <= 0 or tokens <= 0:
@@ -32,16 +36,13 @@ class DrafterRead:
         self.switch.observe_prefill(self.prefill_per_token)
         self._price()
 
-    def __post_init__(self) -> None:
-        if self.switch is not None:
-            self.switch.drafter_has_read = self.done
-
     def observe_read(self, seconds: float, tokens: int) -> None:
         """The drafter read ``tokens`` in ``seconds``."""
         self.done, self.verdict = True, None
-        if self.switch is not None:
-            self.switch.drafter_has_read = True
-        if self.switch is not None and tokens > 0:
+        if self.switch is None:
+            return
+        self.switch.drafter_has_read = True
+        if tokens > 0:
             self.unpriced = (seconds, tokens)
             self._price()
 
