@@ -21,6 +21,7 @@ from conftest import (
 )
 from viasd_hf import RoutingMask, ViaSDConfig, ViaSDGenerationMixin, enable_viasd, viasd_generate
 from viasd_hf.control.draft_planner import LONGEST_TWO_TIER_DRAFT, DraftPlanner
+from viasd_hf.masks.architectures import returned_form
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -374,6 +375,7 @@ def test_stats_count_the_passes_the_model_really_ran(pair, masks):
     target, _ = pair
     slim, heavy = masks
     layers = target.get_decoder().layers
+    returned_form(target)  # the one probe of what its layers return runs once per model, not in a call's passes
     for mode in ("tiered", "lossless"):
         config = ViaSDConfig.paper(routing_mask=slim, self_draft_mask=heavy, mode=mode, adaptive=False)
         with TokensPerCall(layers[0].mlp) as first, TokensPerCall(layers[1].mlp) as drafter_skips, \
