@@ -11,6 +11,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from conftest import (
+    ARCHITECTURES,
     NEAR_TIE_REPORT,
     VOCAB,
     RecordingStreamer,
@@ -20,6 +21,7 @@ from conftest import (
     near_copy,
     random_prompts,
     tiny_causal_lm,
+    tiny_model_of,
     zoo,
 )
 from viasd_hf import RoutingMask, ViaSDConfig, ViaSDStats, enable_viasd
@@ -293,6 +295,27 @@ def test_the_ragged_cache_forgets_compacts_and_selects():
     torch.testing.assert_close(after, before)  # the same tokens at the same positions: the same logits
     cache.select(torch.tensor([0]))
     assert cache.mask.tolist() == [[0, 0, 0, 0, 1, 1, 1]] and cache.cache.layers[0].keys.shape[0] == 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gemma3_text", "gpt2", "falcon"])
+def test_a_drafting_pass_gives_each_rows_newest_logits_and_runs_the_head_on_one_column(kind):
+    """Rows feeding different numbers of tokens (a read of prompts, then a block's first pass) get the logits after
+    their own newest token, as the model computes them over the row alone (sliding windows included), and the LM
+    head runs once per row, not once per column fed."""
+    model = tiny_model_of(kind, layers=2)
+    sequences = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 3, 7)]
+    heads = []  # (rows, columns) of each pass of the LM head
+    model.get_output_embeddings().register_forward_pre_hook(lambda _, args: heads.append(tuple(args[0].shape[:2])))
+    cache = RaggedCache(model.config, 3, torch.device("cpu"))
+    for fed in ((7, 2, 5), (2, 1, 0)):  # the tokens each row feeds in the pass, after what it fed before
+        start = [len(cache.mask[r].nonzero()) for r in range(3)]
+        feeds = [sequence[s : s + n] for sequence, s, n in zip(sequences, start, fed)]
+        logits = cache.newest(model, *ragged_cache.right_padded(feeds, torch.device("cpu")))
+        for row, (sequence, s, n) in enumerate(zip(sequences, start, fed)):
+            if n:
+                alone = model(torch.tensor([sequence[: s + n]])).logits[0, -1]
+                torch.testing.assert_close(logits[row], alone, rtol=1e-4, atol=1e-4)
+    assert [columns for rows, columns in heads if rows == 3] == [1, 1]  # the batched passes, beside the rows' own
 
 
 def word_tokenizer():

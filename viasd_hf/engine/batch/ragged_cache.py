@@ -114,14 +114,18 @@ class RaggedCache:
     def newest(self, model: nn.Module, tokens: torch.Tensor, real: torch.Tensor,
                head: SubsetHead | None = None) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of each row's newest real column of ``tokens``, fed as ``run`` feeds them (a
-        drafting pass). With ``head`` (a draft vocabulary) the LM head runs for those columns and the vocabulary's
-        rows only, −inf elsewhere."""
+        drafting pass, or a drafter's read of the prompts). Each row's tokens are fed in the pass's last columns (its
+        holes first, ``flushed_right``), so every row's newest token is in the last column and the LM head runs for
+        that column alone: over a read of long prompts the head, a quarter of a small drafter's weights, would
+        otherwise run for every column. With ``head`` (a draft vocabulary) it runs for the vocabulary's rows only,
+        −inf elsewhere."""
+        tokens, real = flushed_right(tokens, real)
         if head is None:
-            return newest_columns(self.run(model, tokens, real, keep=tokens.shape[1]), real)
+            return self.run(model, tokens, real, keep=1)[:, -1]
         mask, layout = self.layout(real, model)
         hidden = head.hidden(model, tokens, self.cache, **layout)
         self.mask = mask
-        return head.spread(newest_columns(hidden, real))
+        return head.spread(hidden[:, -1])
 
     @contextmanager
     def provisional(self) -> Iterator[None]:
@@ -196,9 +200,14 @@ def _gathered(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return states.gather(2, index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1]))
 
 
-def newest_columns(states: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Each row's ``states`` (``[rows, columns, ...]``: logits or hidden states) at its last ``real`` column."""
-    return states[torch.arange(states.shape[0], device=states.device), real.sum(-1) - 1]
+def flushed_right(tokens: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A right-padded feed (``right_padded``) with each row's tokens moved, in order, to its last columns and its holes
+    to its first: the same tokens for the cache, whose positions come from the mask, with every row's newest token
+    in the last column."""
+    width = real.shape[1]
+    holes = width - real.sum(-1)
+    index = (torch.arange(width, device=real.device)[None, :] - holes[:, None]) % max(width, 1)
+    return tokens.gather(1, index), real.gather(1, index)
 
 
 def right_padded(feeds: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
