@@ -147,6 +147,29 @@ def test_the_assistant_runs_long_passes_through_its_reader_and_short_ones_itself
     assert len(passes["reader"]) + len(passes["assistant"]) == out.viasd_stats.drafter_forwards
 
 
+def test_prompts_of_very_different_lengths_are_read_one_row_a_pass(near_pair, monkeypatch, speculating):
+    """Where one pass over every prompt would mostly compute padding, the drafter reads each prompt in a pass of its
+    own, through its reader where the prompt is long enough; the rows then draft in one cache, and the output is
+    greedy's."""
+    import viasd_hf.generation as generation
+
+    target, assistant = near_pair
+    reader = Reader(copy.deepcopy(assistant), from_tokens=12)
+    passes = {"reader": [], "assistant": []}
+    for name, model in (("reader", reader.twin), ("assistant", assistant)):
+        model.register_forward_pre_hook(
+            lambda _, args, kwargs, name=name: passes[name].append((args[0] if args else kwargs["input_ids"]).shape),
+            with_kwargs=True)
+    monkeypatch.setattr(generation, "drafting_reader", lambda model: reader if model is assistant else None)
+    rows = prompts(6, lengths=(150, 4, 9))
+    out = batched(target, rows, ViaSDConfig(use_slim=False), assistant)
+    assert_identical_to_generate(target, rows, out)
+    assert passes["reader"][0] == torch.Size([1, 150]), "the long prompt alone, through the reader"
+    assert passes["assistant"][:2] == [torch.Size([1, 4]), torch.Size([1, 9])], "each short prompt alone"
+    assert passes["assistant"][2][0] == 3, "then the rows draft in one pass"
+    assert len(passes["reader"]) + len(passes["assistant"]) == out.viasd_stats.drafter_forwards
+
+
 def test_rows_stop_at_their_own_eos_and_leave_the_batch(near_pair):
     target, assistant = near_pair
     rows = prompts(11, lengths=(9, 6, 12))
@@ -310,12 +333,35 @@ def test_a_drafting_pass_gives_each_rows_newest_logits_and_runs_the_head_on_one_
     for fed in ((7, 2, 5), (2, 1, 0)):  # the tokens each row feeds in the pass, after what it fed before
         start = [len(cache.mask[r].nonzero()) for r in range(3)]
         feeds = [sequence[s : s + n] for sequence, s, n in zip(sequences, start, fed)]
+        assert not cache.reads_apart(list(fed))
         logits = cache.newest(model, *ragged_cache.right_padded(feeds, torch.device("cpu")))
         for row, (sequence, s, n) in enumerate(zip(sequences, start, fed)):
             if n:
                 alone = model(torch.tensor([sequence[: s + n]])).logits[0, -1]
                 torch.testing.assert_close(logits[row], alone, rtol=1e-4, atol=1e-4)
     assert [columns for rows, columns in heads if rows == 3] == [1, 1]  # the batched passes, beside the rows' own
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gemma3_text", "gpt2", "falcon"])
+def test_rows_read_one_a_pass_draft_on_in_one_cache_as_each_row_alone(kind):
+    """Prompts of very different lengths, read into an empty cache one row a pass and laid out left-padded: each row's
+    logits after its read and after later passes are the model's over that row alone (sliding windows included)."""
+    model = tiny_model_of(kind, layers=2)
+    sequences = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (160, 3, 9)]
+    cache = RaggedCache(model.config, 3, torch.device("cpu"))
+    assert cache.reads_apart([157, 1, 6])
+    feeds = [sequence[:n] for sequence, n in zip(sequences, (157, 1, 6))]
+    logits = [cache.newest_apart([model] * 3, feeds)]
+    assert cache.mask.sum(-1).tolist() == [157, 1, 6] and not cache.reads_apart([1, 1, 1])
+    for fed, start in (((2, 1, 3), (157, 1, 6)), ((1, 1, 0), (159, 2, 9))):
+        feeds = [sequence[s : s + n] for sequence, s, n in zip(sequences, start, fed)]
+        logits.append(cache.newest(model, *ragged_cache.right_padded(feeds, torch.device("cpu"))))
+    for after, (fed, start) in zip(logits, (((157, 1, 6), (0, 0, 0)), ((2, 1, 3), (157, 1, 6)),
+                                             ((1, 1, 0), (159, 2, 9)))):
+        for row, (sequence, s, n) in enumerate(zip(sequences, start, fed)):
+            if n:
+                alone = model(torch.tensor([sequence[: s + n]])).logits[0, -1]
+                torch.testing.assert_close(after[row], alone, rtol=1e-4, atol=1e-4)
 
 
 def word_tokenizer():

@@ -158,7 +158,8 @@ class BatchAssistant(_BatchModelDrafting):
     drafts fed since. After a block, the drafts the row did not commit are forgotten
     (``RaggedCache.forget_last``); the newest committed token is always fed with the next draft. A read (the
     prompts before the first draft) feeds every row's newest token too and keeps the logits after it, which give
-    the first draft token, as HF's assistant's prefill does: one pass per drafted token, the read included.
+    the first draft token, as HF's assistant's prefill does: one pass per drafted token, the read included. Prompts of
+    very different lengths are read one row a pass (``RaggedCache.reads_apart``), not padded to the longest.
 
     With ``context`` (``ViaSDConfig.drafter_context``) each row is read from at most that many of the tokens it has when first read, its attention sinks and the latest
     ones; the tokens between (``skipped[r]``) are never fed, and positions run on without them.
@@ -202,10 +203,14 @@ class BatchAssistant(_BatchModelDrafting):
         feeds = [self._seen(i, row)[len(fed) :] for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
         if not any(feeds):
             return 0
-        tokens, real = right_padded(feeds, self.cache.mask.device)
-        self.pending = self.cache.newest(reading_model(self.model, self.reader, tokens.numel()), tokens, real, self.head)
         for fed, feed in zip(self.fed, feeds):
             fed.extend(feed)
+        if self.cache.reads_apart([len(feed) for feed in feeds]):
+            models = [reading_model(self.model, self.reader, len(feed)) for feed in feeds]
+            self.pending = self.cache.newest_apart(models, feeds, self.head)
+            return len(feeds)
+        tokens, real = right_padded(feeds, self.cache.mask.device)
+        self.pending = self.cache.newest(reading_model(self.model, self.reader, tokens.numel()), tokens, real, self.head)
         return 1
 
     @torch.no_grad()

@@ -45,12 +45,15 @@ from torch import nn
 from transformers import Cache, DynamicCache, PretrainedConfig
 
 from viasd_hf.engine.batch.position_masks import SlidingWindows, beside_masks
-from viasd_hf.engine.kv_cache import crop_to, new_cache, self_attention_layers
+from viasd_hf.engine.kv_cache import crop_to, full_attention_only, new_cache, self_attention_layers
 from viasd_hf.vocabulary.head import SubsetHead
 
 COMPACT_SHARE = 0.25  # compact once the columns a compaction frees pass this share of the cache
 COMPACT_AT_LEAST = 16  # ... and at least this many: below it a gather of every layer costs more than it saves
 HOLE_TOKEN = 0  # fed in the columns a row does not need in a pass; masked out, so any token id would do
+# what one more pass costs beyond the columns it computes, in columns: a pass over few tokens reads every weight once,
+# as a pass over about this many does (from 64 on a CPU that computes bf16 slowly to a few hundred with AMX)
+PASS_OVERHEAD_TOKENS = 128
 
 
 class RaggedCache:
@@ -127,6 +130,39 @@ class RaggedCache:
         self.mask = mask
         return head.spread(hidden[:, -1])
 
+    def reads_apart(self, lengths: list[int]) -> bool:
+        """Whether feeding rows of ``lengths`` into this empty cache costs less row by row (``newest_apart``) than in
+        one pass: where the pass would compute more padding columns than the extra passes cost, each priced at
+        ``PASS_OVERHEAD_TOKENS`` columns. Needs plain layers, which keep every column a row was read into."""
+        if self.columns or self.contiguous or self.encoder is not None or not full_attention_only(self.cache):
+            return False
+        padding = len(lengths) * max(lengths, default=0) - sum(lengths)
+        return padding >= (len(lengths) - 1) * PASS_OVERHEAD_TOKENS
+
+    def newest_apart(self, models: list[nn.Module], feeds: list[list[int]],
+                     head: SubsetHead | None = None) -> torch.Tensor:
+        """What ``newest`` gives for ``feeds`` into this empty cache, each row read by a pass of its own (of
+        ``models[r]``) and the rows then laid out left-padded, as ``compact`` leaves them: a drafter's read of prompts
+        of very different lengths, which one pass would pad to the longest."""
+        logits, parts = [], []
+        for model, feed in zip(models, feeds):
+            part = DynamicCache()
+            tokens = torch.tensor([feed], dtype=torch.long, device=self.mask.device)
+            if head is None:
+                logits.append(model(tokens, cache=part, use_cache=True, logits_to_keep=1).logits[:, -1])
+            else:
+                logits.append(head.spread(head.hidden(model, tokens, part)[:, -1]))
+            parts.append(part)
+        longest = max(len(feed) for feed in feeds)
+        for index in range(len(parts[0].layers)):
+            keys = [part.layers[index].keys for part in parts]
+            values = [part.layers[index].values for part in parts]
+            self.cache.update(_left_padded(keys, longest), _left_padded(values, longest), index)
+        columns = torch.arange(longest, device=self.mask.device)
+        lengths = torch.tensor([len(feed) for feed in feeds], device=self.mask.device)
+        self.mask = (columns[None, :] >= longest - lengths[:, None]).long()
+        return torch.cat(logits)
+
     @contextmanager
     def provisional(self) -> Iterator[None]:
         """Passes inside leave nothing behind: the cache and mask are as before on exit (the slim verifier's pass)."""
@@ -198,6 +234,12 @@ class RaggedCache:
 def _gathered(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``states`` ``[rows, heads, columns, dim]`` at each row's ``index`` columns."""
     return states.gather(2, index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1]))
+
+
+def _left_padded(states: list[torch.Tensor], columns: int) -> torch.Tensor:
+    """One row's ``[1, heads, length, dim]`` keys or values each, as ``[rows, heads, columns, dim]`` with each row in
+    the last columns (zeros before: masked)."""
+    return torch.cat([torch.nn.functional.pad(state, (0, 0, columns - state.shape[2], 0)) for state in states])
 
 
 def flushed_right(tokens: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
