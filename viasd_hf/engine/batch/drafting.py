@@ -70,8 +70,8 @@ class BatchDrafter(Protocol):
     mask: RoutingMask | None  # the self-drafter's routing mask (its passes cost what the layers it keeps cost)
 
     def unread(self, rows: Rows) -> int:
-        """The columns its ``read`` would compute now (every row's tokens it has not read, padded to the longest): 0
-        for a drafter with no cache of its own to fill."""
+        """The columns its ``read`` would compute now (every row's tokens it has not read, padded to the longest
+        unless it reads one row a pass): 0 for a drafter with no cache of its own to fill."""
 
     def read(self, rows: Rows) -> int:
         """Read what each active row committed and it has not read: the prompts before the first draft, everything
@@ -194,8 +194,8 @@ class BatchAssistant(_BatchModelDrafting):
         return tokens[: skipped.start] + tokens[skipped.stop :] if skipped.stop else tokens
 
     def unread(self, rows: Rows) -> int:
-        unread = [len(self._seen(i, row)) - len(fed) for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
-        return len(unread) * max(max(unread, default=0), 0)
+        unread = [max(len(self._seen(i, row)) - len(fed), 0) for i, (row, fed) in enumerate(zip(rows.active, self.fed))]
+        return sum(unread) if self.cache.reads_apart(unread) else len(unread) * max(unread, default=0)
 
     @torch.no_grad()
     def read(self, rows: Rows) -> int:
