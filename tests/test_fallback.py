@@ -200,6 +200,39 @@ def test_a_burst_during_the_probe_that_read_the_prompt_does_not_keep_the_call_pl
     assert stats.plain_blocks <= 0.2 * stats.new_tokens, "plain blocks committed a few of the tokens"
 
 
+def test_a_plain_verdict_a_burst_made_is_probed_early_in_the_next_process_before_its_rows_leave(clock):
+    """A batch of three: during a process's call a burst makes every verifying pass twenty times dearer, so its probe
+    gives a plain verdict on two pairs, kept for the next process. The burst is over. The next process resumes from
+    that verdict, which would probe speculation only after sixteen blocks; its call's first row ends at its fifth
+    token, and a batch stops probing once a row has left. The call probes within its first blocks all the same (each
+    such call adds evidence), and decodes as greedy does."""
+    burst = [True]
+    ids = torch.randint(2, 96, (3, 12), generator=torch.Generator().manual_seed(0))
+    common = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
+
+    def call(max_new_tokens, eos_token_id=None):  # in a process of its own: a new target and drafter
+        target, drafter = tiny_causal_lm("llama", seed=0), tiny_causal_lm("llama", seed=0)  # every draft accepted
+        enable_viasd(target)
+        clock.charge(target, lambda columns: 0.2 if burst[0] and columns > 1 else 0.01).charge(drafter, 0.001)
+        out = target.generate(ids, assistant_model=drafter, viasd_config=ViaSDConfig(use_slim=False),
+                              max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, return_dict_in_generate=True,
+                              **common)
+        expected = target.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, viasd_config=None,
+                                   **common)
+        assert torch.equal(out.sequences, expected)
+        return out.viasd_stats, expected[:, 12:]
+
+    first, free = call(8)
+    assert first.drafted_tokens and first.speculation_verdict.startswith("plain decoding"), "the burst's verdict"
+    assert not re.search(rf"from ([{SOLID_PAIRS}-9]|\d\d+) adjacent pairs", first.speculation_verdict), "few pairs"
+    burst[0] = False
+    eos = int(free[0, 4])
+    assert eos not in free[1:].flatten().tolist(), "the other rows decode on"
+    second, _ = call(30, eos)
+    assert min(entry["block"] for entry in second.rows_left) <= 6, "the first row left within the call's first blocks"
+    assert second.drafted_tokens > 0, "the thin plain verdict was probed before the first row left"
+
+
 @pytest.mark.parametrize("rows, first_call, unread, left", [(3, 24, 180, 24), (1, 80, 60, 8)])
 def test_a_call_decodes_plainly_where_the_drafters_read_of_the_prompts_would_not_pay(clock, rows, first_call,
                                                                                      unread, left):

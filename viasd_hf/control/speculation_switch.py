@@ -44,7 +44,8 @@ probes come seldom. Once the drafter has read, a probe feeds it only the tokens 
 resting on few pairs is checked again soon; nor does a plain verdict on few pairs refuse the next call its read, or
 a burst during one probe would keep later calls plain: beside a bursty neighbour, calls of four rows decoded plainly
 throughout on two pairs' evidence, though speculative blocks ran 1.40x plain ones (docs/results.md, "Batches on an
-AMX Xeon").
+AMX Xeon"). Such a verdict is probed early in every call (``call_begins``), for a batch probes only while all its
+rows decode, and Spec-Bench's short answers leave within a call's first twenty blocks.
 
 A speculating batch pays a second cost once per call: its rows accept different numbers of drafts, so
 they finish apart, and the call ends with its slowest rows, later than the full batch's speculative
@@ -117,6 +118,14 @@ class SpeculationSwitch:
     def speculates(self) -> bool:
         """Whether the next block drafts."""
         return self.speculating != self.schedule.due(self.block)
+
+    def call_begins(self) -> None:
+        """A call starts. A plain verdict resting on fewer than ``SOLID_PAIRS`` pairs (this process's, else those an
+        earlier one measured) is probed within the call's first blocks, as a first call probes: once a batch's first
+        row leaves, the call probes no more, and short answers leave before a probe the schedule set further off
+        comes, so a verdict one burst made would keep call after call plain."""
+        if not self.speculating and len(self.evidence()) < SOLID_PAIRS:
+            self.schedule.due_at = min(self.schedule.due_at, self.block + self.schedule.first)
 
     def observe(self, speculated: bool, tokens: int, seconds: float, one_off: float = 0.0,
                 cut_short: bool = False) -> None:

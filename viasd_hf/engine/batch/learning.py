@@ -57,6 +57,8 @@ class Learners:
         # the seconds of the speculative blocks at the call's end (``add_to_tail``), and their tokens per row × rows
         self.tail = [0.0, 0.0]
         self.drafter_read = DrafterRead(self.switch)  # the drafter reads the prompts before its first draft
+        if self.switch is not None:
+            self.switch.call_begins()
 
     def new_planner(self, costs: StaticCosts, config: ViaSDConfig, sampling: bool,
                     drafter_model: nn.Module | None) -> DraftPlanner:
