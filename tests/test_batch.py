@@ -11,7 +11,6 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from conftest import (
-    ARCHITECTURES,
     NEAR_TIE_REPORT,
     VOCAB,
     RecordingStreamer,
