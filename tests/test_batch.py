@@ -123,50 +123,51 @@ def test_a_batch_decoding_plainly_takes_one_full_pass_per_token_as_generate(near
     assert stats.drafter_forwards == 0 and all(row.full_forwards == 6 for row in stats.rows)
 
 
-def test_the_assistant_runs_long_passes_through_its_reader_and_short_ones_itself(near_pair, monkeypatch, speculating):
+@pytest.fixture
+def reader_passes(near_pair, monkeypatch):
+    """The pair's assistant drafts with a reader (a copy of it, measured faster from 12 tokens a pass): the shapes of
+    the passes each of them runs, recorded while the test lasts."""
+    import viasd_hf.generation as generation
+
+    _, assistant = near_pair
+    reader = Reader(copy.deepcopy(assistant), from_tokens=12)
+    passes = {"reader": [], "assistant": []}
+    handles = [model.register_forward_pre_hook(
+        lambda _, args, kwargs, name=name: passes[name].append((args[0] if args else kwargs["input_ids"]).shape),
+        with_kwargs=True) for name, model in (("reader", reader.twin), ("assistant", assistant))]
+    monkeypatch.setattr(generation, "drafting_reader", lambda model: reader if model is assistant else None)
+    yield passes
+    for handle in handles:
+        handle.remove()
+
+
+def test_the_assistant_runs_long_passes_through_its_reader_and_short_ones_itself(near_pair, reader_passes,
+                                                                                 speculating):
     """Where the drafting model has a reader (a 4-bit copy's dequantised twin, measured faster from some number of
     tokens a pass), the prompts' read (all rows, one pass) and every pass at least that long go through it, every
     shorter pass through the model; the output is greedy's."""
-    import viasd_hf.generation as generation
-
     target, assistant = near_pair
-    reader = Reader(copy.deepcopy(assistant), from_tokens=12)
-    passes = {"reader": [], "assistant": []}
-    for name, model in (("reader", reader.twin), ("assistant", assistant)):
-        model.register_forward_pre_hook(
-            lambda _, args, kwargs, name=name: passes[name].append((args[0] if args else kwargs["input_ids"]).shape),
-            with_kwargs=True)
-    monkeypatch.setattr(generation, "drafting_reader", lambda model: reader if model is assistant else None)
     rows = prompts(5, lengths=(12, 20, 16))
     out = batched(target, rows, ViaSDConfig(use_slim=False), assistant)
     assert_identical_to_generate(target, rows, out)
-    assert passes["reader"][0] == torch.Size([3, 20]), "one read of every prompt, padded to the longest"
-    assert all(shape.numel() >= 12 for shape in passes["reader"])
-    assert passes["assistant"] and all(shape.numel() < 12 for shape in passes["assistant"])
-    assert len(passes["reader"]) + len(passes["assistant"]) == out.viasd_stats.drafter_forwards
+    assert reader_passes["reader"][0] == torch.Size([3, 20]), "one read of every prompt, padded to the longest"
+    assert all(shape.numel() >= 12 for shape in reader_passes["reader"])
+    assert reader_passes["assistant"] and all(shape.numel() < 12 for shape in reader_passes["assistant"])
+    assert len(reader_passes["reader"]) + len(reader_passes["assistant"]) == out.viasd_stats.drafter_forwards
 
 
-def test_prompts_of_very_different_lengths_are_read_one_row_a_pass(near_pair, monkeypatch, speculating):
+def test_prompts_of_very_different_lengths_are_read_one_row_a_pass(near_pair, reader_passes, speculating):
     """Where one pass over every prompt would mostly compute padding, the drafter reads each prompt in a pass of its
     own, through its reader where the prompt is long enough; the rows then draft in one cache, and the output is
     greedy's."""
-    import viasd_hf.generation as generation
-
     target, assistant = near_pair
-    reader = Reader(copy.deepcopy(assistant), from_tokens=12)
-    passes = {"reader": [], "assistant": []}
-    for name, model in (("reader", reader.twin), ("assistant", assistant)):
-        model.register_forward_pre_hook(
-            lambda _, args, kwargs, name=name: passes[name].append((args[0] if args else kwargs["input_ids"]).shape),
-            with_kwargs=True)
-    monkeypatch.setattr(generation, "drafting_reader", lambda model: reader if model is assistant else None)
     rows = prompts(6, lengths=(150, 4, 9))
     out = batched(target, rows, ViaSDConfig(use_slim=False), assistant)
     assert_identical_to_generate(target, rows, out)
-    assert passes["reader"][0] == torch.Size([1, 150]), "the long prompt alone, through the reader"
-    assert passes["assistant"][:2] == [torch.Size([1, 4]), torch.Size([1, 9])], "each short prompt alone"
-    assert passes["assistant"][2][0] == 3, "then the rows draft in one pass"
-    assert len(passes["reader"]) + len(passes["assistant"]) == out.viasd_stats.drafter_forwards
+    assert reader_passes["reader"][0] == torch.Size([1, 150]), "the long prompt alone, through the reader"
+    assert reader_passes["assistant"][:2] == [torch.Size([1, 4]), torch.Size([1, 9])], "each short prompt alone"
+    assert reader_passes["assistant"][2][0] == 3, "then the rows draft in one pass"
+    assert len(reader_passes["reader"]) + len(reader_passes["assistant"]) == out.viasd_stats.drafter_forwards
 
 
 def test_rows_stop_at_their_own_eos_and_leave_the_batch(near_pair):

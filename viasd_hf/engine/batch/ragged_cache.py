@@ -158,9 +158,7 @@ class RaggedCache:
             keys = [part.layers[index].keys for part in parts]
             values = [part.layers[index].values for part in parts]
             self.cache.update(_left_padded(keys, longest), _left_padded(values, longest), index)
-        columns = torch.arange(longest, device=self.mask.device)
-        lengths = torch.tensor([len(feed) for feed in feeds], device=self.mask.device)
-        self.mask = (columns[None, :] >= longest - lengths[:, None]).long()
+        self.mask = _left_aligned(torch.tensor([len(feed) for feed in feeds], device=self.mask.device), longest)
         return torch.cat(logits)
 
     @contextmanager
@@ -226,14 +224,18 @@ class RaggedCache:
             if layer.get_seq_length():
                 layer.keys = _gathered(layer.keys, index)
                 layer.values = _gathered(layer.values, index)
-        columns = torch.arange(longest, device=self.mask.device)
-        self.mask = (columns[None, :] >= longest - lengths[:, None]).long()
+        self.mask = _left_aligned(lengths, longest)
         self.compactions += 1
 
 
 def _gathered(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``states`` ``[rows, heads, columns, dim]`` at each row's ``index`` columns."""
     return states.gather(2, index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1]))
+
+
+def _left_aligned(lengths: torch.Tensor, columns: int) -> torch.Tensor:
+    """The mask of rows of ``lengths`` tokens each in the last of ``columns`` columns: a left-padded cache's."""
+    return (torch.arange(columns, device=lengths.device)[None, :] >= columns - lengths[:, None]).long()
 
 
 def _left_padded(states: list[torch.Tensor], columns: int) -> torch.Tensor:
