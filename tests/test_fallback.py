@@ -33,6 +33,12 @@ def run(switch: SpeculationSwitch, blocks: int, speculative_rate: float, plain_r
     return regimes
 
 
+def measured(switch: SpeculationSwitch, ratios: list[float]) -> None:
+    """Pairs of ``ratios`` (a speculative block's seconds / a nearby plain block's), each of two blocks of its own."""
+    switch.pairs = list(ratios)
+    switch.paired = [(2 * index, 2 * index + 1) for index in range(len(ratios))]
+
+
 def test_a_switch_starts_plain_and_stays_there_where_speculation_is_slower_probing_ever_more_rarely():
     switch = SpeculationSwitch()
     regimes = run(switch, 400, speculative_rate=8.0, plain_rate=10.0)
@@ -131,7 +137,7 @@ def test_a_block_the_length_limit_cut_short_counts_but_measures_nothing():
 def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than_it_costs():
     switch = SpeculationSwitch()
     assert switch.reading_pays(None, 10) and switch.reading_cost(0.01, 100) is None, "nothing measured: read and learn"
-    switch.pairs = [1.0] * SOLID_PAIRS  # evidence no single burst makes
+    measured(switch, [1.0] * SOLID_PAIRS)  # evidence no single burst makes
     switch.speculative.add(20.0, 1.0)  # 20 tokens/s
     switch.plain.add(10.0, 1.0)  # 10 tokens/s: speculating saves 0.05 s a token
     switch.observe_reading(0.004, 0.01)  # the drafter reads a token in 0.4 of the target's prefill time for one
@@ -151,9 +157,9 @@ def test_a_plain_verdict_on_thin_evidence_does_not_refuse_a_call_its_read():
     switch = SpeculationSwitch()
     switch.speculative.add(5.0, 1.0)
     switch.plain.add(10.0, 1.0)
-    switch.pairs = [3.0]
+    measured(switch, [3.0])
     assert not switch.speculating and switch.reading_pays(1.0, 10)
-    switch.pairs = [3.0] * SOLID_PAIRS
+    measured(switch, [3.0] * SOLID_PAIRS)
     assert not switch.reading_pays(1.0, 10_000)
 
 
@@ -544,6 +550,33 @@ def test_bursts_of_load_do_not_flip_the_switch(speculation_pays):
         shares.append(sum(regime == speculation_pays for regime in regimes[8:]) / len(regimes[8:]))
         assert switch.speculating == speculation_pays
     assert sorted(shares)[10] >= 0.95 and min(shares) >= 0.8, sorted(shares)
+
+
+def test_a_verdict_counts_each_block_its_pairs_rest_on_once_so_one_burst_leaves_it_open():
+    """Speculation pays (1.5x), but the first probe's second block runs twenty times slower. That block pairs with the
+    plain block before the probe and with the two after it, so three of four pairs say plain decoding is faster, on
+    the evidence of one burst: two speculative blocks. Such a verdict is no solid one: the call probes again soon and
+    brings speculation back, and a new process resuming from it probes within its first blocks."""
+    switch = SpeculationSwitch()
+    regimes = run_bursty(switch, [1.0, 1.0, 1.0, 20.0] + [1.0] * 4, speculative_rate=15.0, plain_rate=10.0)
+    assert regimes == [False, False, True, True] + [False] * 4, "the burst made a plain verdict"
+    assert len(switch.pairs) > SOLID_PAIRS and switch.blocks_paired() == 2 < SOLID_PAIRS
+    later = SpeculationSwitch()
+    later.resume(switch.durable())
+    later.call_begins()
+    assert later.schedule.due_at == later.schedule.first, "the next process probes within its first blocks"
+    regimes = run_bursty(switch, [1.0] * 40, speculative_rate=15.0, plain_rate=10.0)
+    assert switch.speculating and sum(regimes[-16:]) >= 14, "the call's next probe brought speculation back"
+
+
+def test_a_remembered_verdict_counts_the_blocks_its_pairs_rest_on():
+    """A verdict another process wrote rests on as many blocks as it says, at most its pairs; an older record, which
+    does not say, on its pairs."""
+    for record, blocks in (({"blocks": 2}, 2), ({"blocks": 9}, 4), ({}, 4)):
+        switch = SpeculationSwitch()
+        switch.resume({"speculating": False, "pairs": [2.0] * 4, "tokens_speculative": 3.0, "tokens_plain": 1.0,
+                       "reading": None, "speculative": 12.0, "plain": 10.0} | record)
+        assert switch.solidity() == blocks
 
 
 def test_a_burst_during_the_first_probe_is_reversed_by_the_next_probes():

@@ -25,8 +25,9 @@ the whole call. So the switch compares the regimes by evidence a burst cannot fa
 costs in plain blocks is measured in pairs of blocks at most ``PAIR_DISTANCE`` apart (a burst
 slows both halves of a pair, or spoils one of the ``PAIRS_KEPT`` pairs whose median is taken).
 The regime in use running slow only brings the next probe forward, and a verdict resting on fewer
-than ``SOLID_PAIRS`` pairs is checked again soon. Plain blocks give the full model's own
-token, so in lossless greedy decoding the output is the same whichever regime runs; elsewhere the
+than ``SOLID_PAIRS`` blocks of either regime is checked again soon: the two blocks of a probe pair with one block
+of the regime in use, so three pairs can rest on two blocks, one of them slowed by a burst. Plain blocks give the
+full model's own token, so in lossless greedy decoding the output is the same whichever regime runs; elsewhere the
 regime changes which tokens are drafted and drawn, so the switch runs exactly where measured
 timings may steer a call (``tier_controller.measures_wall_clock``), remembered with the draft planner.
 
@@ -72,7 +73,7 @@ from viasd_hf.control.faded import FadedMean
 PAIRS_KEPT = 5  # cost ratios of nearby blocks the switch takes the median of
 PAIR_DISTANCE = 2  # blocks apart, at most, for two blocks to be measured close together
 RECENT_BLOCKS = 9  # blocks per regime whose median seconds price a probe
-SOLID_PAIRS = 3  # pairs below which a verdict is reconsidered soon, whatever it says
+SOLID_PAIRS = 3  # paired blocks of each regime below which a verdict is reconsidered soon, whatever it says
 
 
 @dataclass
@@ -110,7 +111,9 @@ class SpeculationSwitch:
     advice_gap: float = 0.1  # how much slower speculation must measure before the user is told it does not pay
     tokens: dict[bool, FadedMean] = field(default_factory=lambda: {True: FadedMean(), False: FadedMean()})  # per block
     pairs: list[float] = field(default_factory=list)  # a speculative block's seconds / a nearby plain block's
+    paired: list[tuple[int, int]] = field(default_factory=list)  # each of ``pairs``: its speculative and plain block
     remembered: list[float] = field(default_factory=list)  # ``pairs`` an earlier process measured (``resume``)
+    remembered_blocks: int = 0  # the blocks of each regime ``remembered`` rests on, at least (``blocks_paired``)
     probe_ended: int = 0  # the block at which the latest probe ended
     latest: dict[bool, tuple[int, float]] = field(default_factory=dict)  # per regime: its latest block, seconds
     drafter_has_read: bool = False  # whether this call's drafter has read its prompts (``DrafterRead``)
@@ -120,11 +123,11 @@ class SpeculationSwitch:
         return self.speculating != self.schedule.due(self.block)
 
     def call_begins(self) -> None:
-        """A call starts. A plain verdict resting on fewer than ``SOLID_PAIRS`` pairs (this process's, else those an
-        earlier one measured) is probed within the call's first blocks, as a first call probes: once a batch's first
-        row leaves, the call probes no more, and short answers leave before a probe the schedule set further off
-        comes, so a verdict one burst made would keep call after call plain."""
-        if not self.speculating and len(self.evidence()) < SOLID_PAIRS:
+        """A call starts. A plain verdict resting on fewer than ``SOLID_PAIRS`` blocks of either regime (this process's
+        pairs, else those an earlier one measured: ``solidity``) is probed within the call's first blocks, as a first
+        call probes: once a batch's first row leaves, the call probes no more, and short answers leave before a probe
+        the schedule set further off comes, so a verdict one burst made would keep call after call plain."""
+        if not self.speculating and self.solidity() < SOLID_PAIRS:
             self.schedule.due_at = min(self.schedule.due_at, self.block + self.schedule.first)
 
     def observe(self, speculated: bool, tokens: int, seconds: float, one_off: float = 0.0,
@@ -169,10 +172,12 @@ class SpeculationSwitch:
 
     def durable(self) -> dict[str, Any]:
         """What this switch learned that holds beyond the process (``control.verdicts``): the regime, the pairs'
-        cost ratios, tokens per block of each regime, the drafter's read and the target's prefill, both relative."""
+        cost ratios and how many blocks of each regime they rest on (``blocks_paired``), tokens per block of each
+        regime, the drafter's read and the target's prefill, both relative."""
         means = {"tokens_speculative": self.tokens[True].mean(), "tokens_plain": self.tokens[False].mean(),
                  "reading": self.reading.mean(), "speculative": self.speculative.mean(), "plain": self.plain.mean()}
-        return {"speculating": self.speculating, "pairs": list(self.pairs or self.remembered)} | means
+        blocks = self.blocks_paired() if self.pairs else self.remembered_blocks
+        return {"speculating": self.speculating, "pairs": list(self.pairs or self.remembered), "blocks": blocks} | means
 
     def resume(self, record: dict[str, Any]) -> None:
         """Start from what an earlier process learned (``durable``), each mean weighing as one block: the first block
@@ -182,13 +187,14 @@ class SpeculationSwitch:
         solid. A record that does not read as one is ignored: the switch measures afresh."""
         try:
             speculating, pairs = bool(record["speculating"]), [float(pair) for pair in record["pairs"]][-PAIRS_KEPT:]
+            blocks = min(int(record.get("blocks", len(pairs))), len(pairs))
             means = {name: record[name] for name in ("tokens_speculative", "tokens_plain", "reading", "speculative",
                                                      "plain")}
             if any(value is not None and not float(value) > 0 for value in means.values()):
                 return
         except (KeyError, TypeError, ValueError):
             return
-        self.speculating, self.remembered = speculating, pairs
+        self.speculating, self.remembered, self.remembered_blocks = speculating, pairs, blocks
         for mean, name in ((self.tokens[True], "tokens_speculative"), (self.tokens[False], "tokens_plain"),
                            (self.reading, "reading"), (self.speculative, "speculative"), (self.plain, "plain")):
             if means[name] is not None:
@@ -293,23 +299,36 @@ class SpeculationSwitch:
         """The pairs ``speedup`` takes the median of: this process's, else those an earlier one measured (``resume``)."""
         return self.pairs or self.remembered
 
+    def blocks_paired(self) -> int:
+        """How many blocks of each regime, at least, this process's pairs rest on: both blocks of a probe pair with the
+        block just before it, and the blocks just after a probe with the probe's last, so one block can weigh in
+        three pairs, and a burst that slows it spoils them all."""
+        return min(len({speculative for speculative, _ in self.paired}), len({plain for _, plain in self.paired}))
+
+    def solidity(self) -> int:
+        """``blocks_paired`` of the pairs ``speedup`` rests on: this process's, else those an earlier one measured."""
+        return self.blocks_paired() if self.pairs else self.remembered_blocks
+
     def _only_remembered(self) -> bool:
         """Whether the pairs ``speedup`` rests on are an earlier process's, this one having measured none yet."""
         return bool(self.remembered) and not self.pairs
 
     def _pair(self, speculated: bool, seconds: float) -> None:
         """A block near one of the other regime (at most ``PAIR_DISTANCE`` blocks before): what the speculative one
-        cost in plain ones, measured close together."""
+        cost in plain ones, measured close together. One block can weigh in several pairs (both blocks of a probe
+        pair with the block before it), which ``blocks_paired`` counts once."""
         other = self.latest.get(not speculated)
         if other is not None and self.block - other[0] <= PAIR_DISTANCE and seconds > 0 and other[1] > 0:
             spec, plain = (seconds, other[1]) if speculated else (other[1], seconds)
             self.pairs = [*self.pairs, spec / plain][-PAIRS_KEPT:]
+            blocks = (self.block, other[0]) if speculated else (other[0], self.block)
+            self.paired = [*self.paired, blocks][-PAIRS_KEPT:]
         self.latest[speculated] = (self.block, seconds)
 
     def _thin_evidence(self) -> bool:
-        """Whether fewer than ``SOLID_PAIRS`` pairs of nearby blocks were measured in this process: a verdict one burst
-        could make (or one remembered from another time)."""
-        return len(self.pairs) < SOLID_PAIRS
+        """Whether this process's pairs rest on fewer than ``SOLID_PAIRS`` blocks of either regime (``blocks_paired``):
+        a verdict one burst could make (or one remembered from another time)."""
+        return self.blocks_paired() < SOLID_PAIRS
 
     def _blocks_to_earn_back(self) -> int:
         """Blocks of the regime in use over which the next probe's expected loss is ``budget`` of the time (none while
