@@ -151,6 +151,24 @@ def test_a_read_pays_only_where_speculating_over_the_tokens_left_saves_more_than
     assert not switch.reading_pays(0.0, 1000)
 
 
+def test_a_read_is_priced_at_the_speedup_the_switch_decides_on_not_at_throughputs_a_burst_moved():
+    """Speculation runs 1.5x plain decoding; then a burst makes four speculative blocks five times slower. The switch
+    goes on speculating (the pairs' median stands), and a read that speculating over the tokens left earns back at
+    1.5x still pays. Priced at the throughputs, the speculative one dragged below the plain one by the burst, every
+    read would be refused, however many tokens were left."""
+    switch = SpeculationSwitch()
+    run(switch, 40, speculative_rate=15.0, plain_rate=10.0)
+    for _ in range(6):
+        speculated = switch.speculates()
+        tokens = 3 if speculated else 1
+        switch.observe(speculated, tokens, tokens / (15.0 if speculated else 10.0) * (5 if speculated else 1))
+    assert switch.speculating and switch.speedup() == pytest.approx(1.5)
+    assert switch.speculative.mean() < switch.plain.mean(), "the throughputs say speculation loses"
+    assert switch.plain_token_seconds() == pytest.approx(0.1)
+    # a plain token costs 0.1 s and speculating saves a third of it: a 1 s read pays over 31 tokens, not over 29
+    assert switch.reading_pays(1.0, 31) and not switch.reading_pays(1.0, 29)
+
+
 def test_a_plain_verdict_on_thin_evidence_does_not_refuse_a_call_its_read():
     """Speculation measured slower on one pair, as a burst during a probe can make it: a call whose drafter must read
     first still reads and probes (a call that never read would never check); on solid evidence it does not."""

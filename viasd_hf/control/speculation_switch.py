@@ -228,15 +228,27 @@ class SpeculationSwitch:
     def reading_pays(self, read_seconds: float | None, tokens_left: int) -> bool:
         """Whether speculating over at most ``tokens_left`` more tokens saves more than it costs once per call: the
         ``read_seconds`` the drafter needs before it drafts and, for a batch, what its end is expected to lose
-        (``tail_cost``); at the throughputs measured; yes while either is unknown, or known only from an earlier
-        process (``resume``), or while decoding plainly on thin evidence (``_thin_evidence``: a burst of load can make
+        (``tail_cost``). A token saves what plain decoding costs it (``plain_token_seconds``) times ``1 - 1 /
+        speedup``, the speedup the switch decides on: throughputs measured apart would let a burst during a few
+        speculative blocks price every read out. Yes while either is unknown, or known only from an earlier process
+        (``resume``), or while decoding plainly on thin evidence (``_thin_evidence``: a burst of load can make
         speculation look slower for a probe or two; a call that never read would never check): a probe learns it."""
-        speculative, plain = self.speculative.mean(), self.plain.mean()
-        if read_seconds is None or speculative is None or plain is None or self._only_remembered():
+        speedup, token_seconds = self.speedup(), self.plain_token_seconds()
+        if read_seconds is None or not speedup or token_seconds is None or self._only_remembered():
             return True
         if not self.speculating and self._thin_evidence():
             return True
-        return tokens_left * (1 / plain - 1 / speculative) > read_seconds + self.tail_cost()
+        return tokens_left * token_seconds * max(1 - 1 / speedup, 0.0) > read_seconds + self.tail_cost()
+
+    def plain_token_seconds(self) -> float | None:
+        """What plain decoding costs a token: the median seconds of its latest blocks over the tokens such a block
+        commits (a burst inflates a mean for long, not a median); before a plain block is timed in this process, the
+        faded throughput's (``resume``)."""
+        block, tokens = self.typical_block(False), self.tokens[False].mean()
+        if block is not None and tokens:
+            return block / tokens
+        plain = self.plain.mean()
+        return 1 / plain if plain else None
 
     def probe_loss(self) -> float:
         """The seconds a probe of the regime not in use is expected to lose against the one in use, as measured: its
