@@ -369,6 +369,19 @@ def test_the_user_is_told_speculation_does_not_pay_only_where_it_measured_clearl
     assert switch.clearly_loses()
 
 
+def test_the_user_is_not_told_speculation_does_not_pay_on_the_evidence_of_one_burst():
+    """Speculation pays (1.5x) but the first probe's second block runs twenty times slower: pairs resting on that block
+    say speculation runs at a tenth of plain decoding's pace, which a probe soon reverses. That is no reason to tell the
+    user that speculation does not pay here; pairs on as many blocks as a solid verdict needs are."""
+    switch = SpeculationSwitch()
+    run_bursty(switch, [1.0, 1.0, 1.0, 20.0] + [1.0] * 4, speculative_rate=15.0, plain_rate=10.0)
+    assert switch.speedup() < 0.2 and switch.blocks_paired() < SOLID_PAIRS
+    assert not switch.clearly_loses()
+    slower = SpeculationSwitch()
+    run(slower, 200, speculative_rate=6.0, plain_rate=10.0)
+    assert slower.blocks_paired() >= SOLID_PAIRS and slower.clearly_loses()
+
+
 def test_a_probe_schedule_doubles_while_probes_confirm_and_resets_on_a_switch():
     schedule = ProbeSchedule(first=2, every=4, longest=16)
     assert not schedule.due(1) and schedule.due(2)

@@ -276,8 +276,9 @@ class SpeculationSwitch:
     def clearly_loses(self) -> bool:
         """Whether speculation measured slower than plain decoding by ``advice_gap``: a near tie, as a call's first
         blocks can show while new pass shapes are first run, is no reason to tell the user it does not pay; nor is
-        what an earlier process measured (``resume``) before this one has measured a pair."""
-        if self._only_remembered():
+        what an earlier process measured (``resume``) before this one has measured a pair, nor a verdict a single
+        burst could have made (pairs resting on fewer than ``SOLID_PAIRS`` blocks of either regime)."""
+        if self._only_remembered() or (self.pairs and self._thin_evidence()):
             return False
         speedup = self.speedup()
         return speedup is not None and speedup < 1 - self.advice_gap
