@@ -176,8 +176,7 @@ class SpeculationSwitch:
         regime, the drafter's read and the target's prefill, both relative."""
         means = {"tokens_speculative": self.tokens[True].mean(), "tokens_plain": self.tokens[False].mean(),
                  "reading": self.reading.mean(), "speculative": self.speculative.mean(), "plain": self.plain.mean()}
-        blocks = self.blocks_paired() if self.pairs else self.remembered_blocks
-        return {"speculating": self.speculating, "pairs": list(self.pairs or self.remembered), "blocks": blocks} | means
+        return {"speculating": self.speculating, "pairs": list(self.evidence()), "blocks": self.solidity()} | means
 
     def resume(self, record: dict[str, Any]) -> None:
         """Start from what an earlier process learned (``durable``), each mean weighing as one block: the first block

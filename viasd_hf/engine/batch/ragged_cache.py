@@ -126,9 +126,9 @@ class RaggedCache:
         if head is None:
             return self.run(model, tokens, real, keep=1)[:, -1]
         mask, layout = self.layout(real, model)
-        hidden = head.hidden(model, tokens, self.cache, **layout)
+        logits = _last_column(model, tokens, self.cache, head, **layout)
         self.mask = mask
-        return head.spread(hidden[:, -1])
+        return logits
 
     def reads_apart(self, lengths: list[int]) -> bool:
         """Whether feeding rows of ``lengths`` into this empty cache costs less row by row (``newest_apart``) than in
@@ -148,10 +148,7 @@ class RaggedCache:
         for model, feed in zip(models, feeds):
             part = DynamicCache()
             tokens = torch.tensor([feed], dtype=torch.long, device=self.mask.device)
-            if head is None:
-                logits.append(model(tokens, cache=part, use_cache=True, logits_to_keep=1).logits[:, -1])
-            else:
-                logits.append(head.spread(head.hidden(model, tokens, part)[:, -1]))
+            logits.append(_last_column(model, tokens, part, head))
             parts.append(part)
         longest = max(len(feed) for feed in feeds)
         for index in range(len(parts[0].layers)):
@@ -231,6 +228,15 @@ class RaggedCache:
 def _gathered(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``states`` ``[rows, heads, columns, dim]`` at each row's ``index`` columns."""
     return states.gather(2, index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1]))
+
+
+def _last_column(model: nn.Module, tokens: torch.Tensor, cache: Cache, head: SubsetHead | None,
+                 **inputs: Any) -> torch.Tensor:
+    """Logits ``[rows, vocab]`` of the last column of ``tokens`` fed after ``cache``, the LM head run for that column
+    alone (over ``head``'s vocabulary where there is one, −inf elsewhere)."""
+    if head is None:
+        return model(tokens, cache=cache, use_cache=True, logits_to_keep=1, **inputs).logits[:, -1]
+    return head.spread(head.hidden(model, tokens, cache, **inputs)[:, -1])
 
 
 def _left_aligned(lengths: torch.Tensor, columns: int) -> torch.Tensor:
