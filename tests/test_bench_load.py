@@ -40,6 +40,11 @@ def status(worker: Worker) -> str:
     return psutil.Process(worker.process.pid).status()
 
 
+def cpu_seconds(worker: Worker) -> float:
+    times = psutil.Process(worker.process.pid).cpu_times()
+    return times.user + times.system
+
+
 @pytest.mark.parametrize("cycle", [0, 1, 40])
 def test_the_bursty_schedule_switches_at_the_same_moments_of_every_cycle(cycle):
     assert CYCLE == pytest.approx(4.85)
@@ -118,9 +123,8 @@ def test_a_steady_load_runs_its_processes_until_it_ends():
     with Load("steady", workers=2).running() as workers:
         assert len(workers) == 2
         assert all(eventually(lambda: status(worker) == psutil.STATUS_RUNNING) for worker in workers)
-        for _ in range(5):  # and stays busy (a busy loop never sleeps)
-            time.sleep(0.05)
-            assert all(status(worker) == psutil.STATUS_RUNNING for worker in workers)
+        spent = [cpu_seconds(worker) for worker in workers]  # and stays busy: its CPU time grows, whatever else runs
+        assert all(eventually(lambda: cpu_seconds(worker) > before + 0.1) for worker, before in zip(workers, spent))
     assert all(worker.process.poll() is not None for worker in workers)
 
 

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from viasd_hf.bench.report import environment
 from viasd_hf.config import ViaSDConfig
-from viasd_hf.control.speculation_switch import fallback_advice
+from viasd_hf.control.fallback_advice import fallback_advice
 from viasd_hf.drafters.precision import fastest_form
 from viasd_hf.generation import enable_viasd
 from viasd_hf.models.loading import load_pretrained

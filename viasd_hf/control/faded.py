@@ -38,3 +38,34 @@ class FadedMean:
         """Σ amount / Σ weight, ``prior`` counting as ``prior_weight`` more weight; ``None`` while there is no weight."""
         weight = self.weight + prior_weight
         return (self.total + prior * prior_weight) / weight if weight > 0 else None
+
+
+@dataclass
+class FadedSpread(FadedMean):
+    """A faded mean of counts, each of weight one, that knows how far to trust it: how many counts it rests on, the
+    older ones weighing less (``blocks``), and the standard error of its mean (``relative_error``)."""
+
+    squares: float = 0.0  # Σ count², faded
+    weights_squared: float = 0.0  # Σ weight², faded twice over: what ``blocks`` divides by
+
+    def fade(self, decay: float) -> None:
+        super().fade(decay)
+        self.squares *= decay
+        self.weights_squared *= decay * decay
+
+    def add(self, amount: float, weight: float = 1.0) -> None:
+        super().add(amount, weight)
+        self.squares += amount * amount
+        self.weights_squared += weight * weight
+
+    def blocks(self) -> float:
+        """How many counts the mean rests on: (Σ weight)² / Σ weight², the faded ones counting as fractions."""
+        return self.weight * self.weight / self.weights_squared if self.weights_squared > 0 else 0.0
+
+    def relative_error(self) -> float | None:
+        """The standard error of the mean over the mean, from the counts' own spread; ``None`` before any count."""
+        mean = self.mean()
+        if not mean or not self.blocks():
+            return None
+        variance = max(self.squares / self.weight - mean * mean, 0.0)
+        return (variance / self.blocks()) ** 0.5 / mean

@@ -16,7 +16,7 @@ from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import DraftPlanner, MeasuredCosts, StaticCosts, new_draft_planner
 from viasd_hf.control.drafter_read import DrafterRead
 from viasd_hf.control.memory import draft_planner, drafter_identity, planner_key, tier_choice, tier_memory
-from viasd_hf.control.speculation_switch import fallback_advice
+from viasd_hf.control.fallback_advice import fallback_advice
 from viasd_hf.control.tier_controller import BlockCost
 from viasd_hf.control.verdicts import VerdictStore
 from viasd_hf.engine.batch.drafting import BatchDraft, BatchDrafter
@@ -73,17 +73,18 @@ class Learners:
         return planner
 
     def plain(self, blocks: list[BlockResult], committed: int, seconds: float, measures: bool) -> None:
-        """A plain block (one token per row, one full pass): its pace, and a verifying pass's cost."""
+        """A plain block (one token per row, one full pass): its pace, and a verifying pass's cost, both only while the
+        full batch decodes (``measures``): once rows have left, a pass costs less for the tokens it is fed."""
         if measures:
             self.switch.observe(False, committed, seconds)
-        self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
+            self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
 
     def block(self, draft: BatchDraft, blocks: list[BlockResult], committed: int, seconds: float, drafting: float,
               charged_to_slim: bool, reading: float, cut_short: bool, measures: bool, rows: int) -> None:
         """What the block teaches the planner, hybrid drafting's choice, the speculation switch and the tier controller
-        (``measures``: the block's pace tells the switch about this batch size; ``rows``: the rows it decoded;
-        ``reading``: the seconds the drafter spent once, catching up with plain blocks, before the block;
-        ``cut_short``: the length limit ended a row's draft, so its pace tells the switch nothing).
+        (``measures``: the block's pace and passes tell the switch and the planner about this batch size; ``rows``:
+        the rows it decoded; ``reading``: the seconds the drafter spent once, catching up with plain blocks, before
+        the block; ``cut_short``: the length limit ended a row's draft, so its pace tells the switch nothing).
 
         ``charged_to_slim``: the slim tier ran, or the block clears tokens it committed (the full model must still
         process them, so the block pays the slim tier's debt and counts as a slim-tier block even when the tier is
@@ -92,7 +93,7 @@ class Learners:
             for row, block in zip(draft.rows, blocks):
                 if row.drawn:
                     self.planner.observe(row.confidences, block.judged, block.kept)
-            if isinstance(self.planner.costs, MeasuredCosts) and blocks[0].passes["full"]:
+            if isinstance(self.planner.costs, MeasuredCosts) and blocks[0].passes["full"] and measures:
                 self.planner.costs.observe_verifying(blocks[0].seconds["full"], max(block.rows.fed for block in blocks))
         if self.switch is not None and measures:
             self.switch.observe(True, committed, seconds, one_off=reading, cut_short=cut_short)

@@ -276,7 +276,7 @@ class BatchedDecoder:
         draft = self.drafter.draft(self.rows, limits, self.rng, keep_drafting)
         seconds = self.clock.since(started)
         self.record_draft(draft.forwards, seconds)
-        if self.planner is not None and isinstance(self.planner.costs, MeasuredCosts):
+        if self.planner is not None and isinstance(self.planner.costs, MeasuredCosts) and self.measures():
             self.planner.costs.observe_drafting(seconds, draft.forwards)
         return draft, seconds
 
