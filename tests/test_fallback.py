@@ -649,6 +649,28 @@ def test_runs_of_badly_drafted_blocks_do_not_turn_speculation_off(speedup, typic
     assert sorted(shares)[10] >= typical and min(shares) >= worst, sorted(shares)
 
 
+def test_a_lasting_drop_in_acceptance_is_followed_within_a_few_dozen_blocks():
+    """Drafts kept 80 % of the time make speculation pay 1.6x (a block: one full pass and five drafter passes, 0.45 s
+    against 0.2 s for a plain token); then the text changes and 30 % are kept: speculating costs 1.6x plain decoding.
+    Counts that fade slowly follow such a change later than fast ones would (seven blocks at 0.85 a block, about
+    twenty-five at 0.95), but the switch then decodes plainly, and stays so."""
+    lags, shares = [], []
+    for seed in range(20):
+        switch, generator, regimes = SpeculationSwitch(), random.Random(seed), []
+        for kept, blocks in ((0.8, 200), (0.3, 300)):
+            for _ in range(blocks):
+                speculated, accepted = switch.speculates(), 0
+                while speculated and accepted < 5 and generator.random() < kept:
+                    accepted += 1
+                seconds = (0.45 if speculated else 0.2) * generator.uniform(0.9, 1.1)
+                switch.observe(speculated, accepted + 1 if speculated else 1, seconds)
+                regimes.append(speculated)
+        after = regimes[200:]
+        lags.append(next(block for block in range(len(after)) if not any(after[block : block + 5])))
+        shares.append(sum(after) / len(after))
+    assert sorted(lags)[10] <= 30 and max(lags) <= 45 and max(shares) <= 0.2, (sorted(lags), sorted(shares))
+
+
 def test_a_verdict_counts_each_block_its_pairs_rest_on_once_so_one_burst_leaves_it_open():
     """Speculation pays (1.5x), but the first probe's second block runs twenty times slower. That block pairs with the
     plain block before the probe and with the two after it, so three of four pairs say plain decoding is faster, on

@@ -34,7 +34,8 @@ either regime (the two blocks of a probe pair with one block of the regime in us
 blocks, one of them slowed by a burst), tokens counted on fewer than ``SOLID_COUNTS`` speculative blocks, or a speedup
 within two standard errors of those counts from a tie. Simulated (``bench/studies/switch_noise/study.py``), where
 speculation pays 1.1-1.5x the switch keeps 98-99 % of the better regime's throughput, against 90-94 % when it
-switched on any block. Plain blocks give the
+switched on any block. The price: where a change of text makes speculation lose, the slow counts show it about
+twenty-five blocks later, not seven. Plain blocks give the
 full model's own token, so in lossless greedy decoding the output is the same whichever regime runs; elsewhere the
 regime changes which tokens are drafted and drawn, so the switch runs exactly where measured
 timings may steer a call (``tier_controller.measures_wall_clock``), remembered with the draft planner.
