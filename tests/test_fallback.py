@@ -622,11 +622,17 @@ def chance_drafted(blocks: int, speedup: float, seed: int) -> list[tuple[int, fl
     block's seconds 10 % above or below, as a real pass's are."""
     generator, blocks_made = random.Random(seed), []
     for _ in range(blocks):
-        accepted = 0
-        while accepted < 5 and generator.random() < 0.7:
-            accepted += 1
-        blocks_made.append((accepted + 1, 2.94 * 0.2 / speedup * generator.uniform(0.9, 1.1)))
+        tokens = drafted_tokens(generator, kept=0.7)
+        blocks_made.append((tokens, 2.94 * 0.2 / speedup * generator.uniform(0.9, 1.1)))
     return blocks_made
+
+
+def drafted_tokens(generator: random.Random, kept: float) -> int:
+    """The tokens a block of a 5-token chain draft commits, each draft token accepted with chance ``kept``."""
+    accepted = 0
+    while accepted < 5 and generator.random() < kept:
+        accepted += 1
+    return accepted + 1
 
 
 @pytest.mark.parametrize("speedup, typical, worst", [(1.2, 0.7, 0.4), (1.5, 0.9, 0.8)])
@@ -659,11 +665,10 @@ def test_a_lasting_drop_in_acceptance_is_followed_within_a_few_dozen_blocks():
         switch, generator, regimes = SpeculationSwitch(), random.Random(seed), []
         for kept, blocks in ((0.8, 200), (0.3, 300)):
             for _ in range(blocks):
-                speculated, accepted = switch.speculates(), 0
-                while speculated and accepted < 5 and generator.random() < kept:
-                    accepted += 1
+                speculated = switch.speculates()
+                tokens = drafted_tokens(generator, kept) if speculated else 1
                 seconds = (0.45 if speculated else 0.2) * generator.uniform(0.9, 1.1)
-                switch.observe(speculated, accepted + 1 if speculated else 1, seconds)
+                switch.observe(speculated, tokens, seconds)
                 regimes.append(speculated)
         after = regimes[200:]
         lags.append(next(block for block in range(len(after)) if not any(after[block : block + 5])))

@@ -162,9 +162,10 @@ class SpeculationSwitch:
             self.reads.observe(one_off, self.decay)
         self.block += 1
         if not probing:
-            if self._other_is_faster() and self.block - self.probe_ended <= PAIR_DISTANCE:
+            other_is_faster = self._other_is_faster()
+            if other_is_faster and self.block - self.probe_ended <= PAIR_DISTANCE:
                 self._switch()  # the blocks just after a probe pair with its last one: they complete its evidence
-            elif self.block >= self.probe_ended + self.schedule.every and (self._other_is_faster() or self._looks_slower()):
+            elif self.block >= self.probe_ended + self.schedule.every and (other_is_faster or self._looks_slower()):
                 # a change of text, of costs or of load, or a run of blocks that drafted badly by chance: the next
                 # blocks measure which (at most every ``every`` blocks), and the probe's end decides
                 self.schedule.due_at = self.block
