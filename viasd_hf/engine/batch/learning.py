@@ -15,8 +15,8 @@ from torch import nn
 from viasd_hf.config import ViaSDConfig
 from viasd_hf.control.draft_planner import DraftPlanner, MeasuredCosts, StaticCosts, new_draft_planner
 from viasd_hf.control.drafter_read import DrafterRead
-from viasd_hf.control.memory import draft_planner, drafter_identity, planner_key, tier_choice, tier_memory
 from viasd_hf.control.fallback_advice import fallback_advice
+from viasd_hf.control.memory import draft_planner, drafter_identity, planner_key, tier_choice, tier_memory
 from viasd_hf.control.tier_controller import BlockCost
 from viasd_hf.control.verdicts import VerdictStore
 from viasd_hf.engine.batch.drafting import BatchDraft, BatchDrafter
