@@ -364,6 +364,62 @@ def test_rows_read_one_a_pass_draft_on_in_one_cache_as_each_row_alone(kind):
                 torch.testing.assert_close(after[row], alone, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gemma3_text", "gpt2", "falcon"])
+def test_a_targets_first_pass_reads_prompts_of_very_different_lengths_one_row_a_pass(kind):
+    """The target's first pass over left-padded prompts of very different lengths, each row's draft after its prompt
+    (right-padded), computes each row alone, not padded to the longest: the logits of every real column among the
+    last ``keep`` are the model's over that row alone, where a padded pass puts them, and later passes see each row's
+    tokens and nothing else (sliding windows included). Prompts of alike lengths are read in one pass."""
+    model = tiny_model_of(kind, layers=2)
+    sequences = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (200, 9, 5)]
+    prompt_lengths, draft_lengths = (200, 6, 2), (0, 3, 3)
+    rows = [(sequence[:n], sequence[n : n + d]) for sequence, n, d in zip(sequences, prompt_lengths, draft_lengths)]
+    cache = RaggedCache(model.config, 3, torch.device("cpu"))
+    ids, mask = left_padded([torch.tensor(prompt) for prompt, _ in rows])
+    drafted, drafted_real = ragged_cache.right_padded([draft for _, draft in rows], torch.device("cpu"))
+    tokens, real = torch.cat([ids, drafted], dim=-1), torch.cat([mask.bool(), drafted_real], dim=-1)
+    logits, columns = cache.read(model, tokens, real, keep=4)
+    assert columns == 200 + 9 + 5 < real.numel() and cache.mask.sum(-1).tolist() == [200, 9, 5]
+    for row, (prompt, draft) in enumerate(rows):
+        alone = model(torch.tensor([prompt + draft])).logits[0, -len(draft) - 1 :]
+        torch.testing.assert_close(logits[row, : len(draft) + 1], alone, rtol=1e-4, atol=1e-4)
+    fed = [[7], [8, 9], [10]]
+    later = cache.newest(model, *ragged_cache.right_padded(fed, torch.device("cpu")))
+    for row, ((prompt, draft), more) in enumerate(zip(rows, fed)):
+        alone = model(torch.tensor([prompt + draft + more])).logits[0, -1]
+        torch.testing.assert_close(later[row], alone, rtol=1e-4, atol=1e-4)
+    alike = RaggedCache(model.config, 3, torch.device("cpu"))
+    ids, mask = left_padded([torch.tensor(sequence[:n]) for sequence, n in zip(sequences, (9, 8, 5))])
+    assert alike.read(model, ids, mask.bool(), keep=1)[1] == ids.numel()
+
+
+@pytest.mark.parametrize("drafter_kind", ["assistant", "self", "plain"])
+def test_prompts_of_very_different_lengths_decode_as_generate_decodes_them(near_pair, drafter_kind, monkeypatch,
+                                                                          request):
+    """A batch mixing a long prompt with short ones, which the target reads one row a pass (``RaggedCache.read``): in
+    the first block carrying the drafts, before a self-drafter's first draft, or plainly. Every row is ``generate``'s."""
+    target, assistant = near_pair
+    if drafter_kind == "plain":
+        monkeypatch.setattr(SpeculationSwitch, "speculates", lambda switch: switch.block % 2 == 1)
+    else:
+        request.getfixturevalue("speculating")
+    read, reads = RaggedCache.read, []
+
+    def recorded(cache, model, tokens, real, keep):
+        logits, columns = read(cache, model, tokens, real, keep)
+        reads.append((columns, real.numel()))
+        return logits, columns
+
+    monkeypatch.setattr(RaggedCache, "read", recorded)
+    rows = prompts(5, lengths=(300, 6, 9))
+    config = (slim_config(target, self_draft_mask=RoutingMask.from_model(target, skip=[1, 2])) if drafter_kind == "self"
+              else ViaSDConfig(use_slim=False))
+    out = batched(target, rows, config, assistant if drafter_kind == "assistant" else None)
+    assert_identical_to_generate(target, rows, out)
+    assert len(reads) == 1 and reads[0][0] < reads[0][1], "the target read each prompt alone"
+    assert (out.viasd_stats.prefill_forwards == 1) == (drafter_kind == "self")
+
+
 def word_tokenizer():
     """A tokenizer over the tiny models' vocabulary, built offline: token ``i`` is the word ``w{i}``."""
     from tokenizers import Tokenizer, models, pre_tokenizers

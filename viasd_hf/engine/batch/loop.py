@@ -17,7 +17,9 @@ One block, as in the paper's algorithm, for all rows together:
 The target reads the prompts in the first block's pass (``open``): where that block speculates and only the full
 model verifies it, the pass carries every row's first draft after its prompt, as HF assisted generation's first call
 does; where it does not speculate, it gives each row its first token, as ``generate``'s first step does; where the
-slim tier or a self-drafter reads the target's cache, the full model reads the prompts first (``prefill``). Whether a later block drafts at all is the speculation
+slim tier or a self-drafter reads the target's cache, the full model reads the prompts first (``prefill``). Prompts of
+very different lengths are read one row a pass (``RaggedCache.read``), not padded to the longest as batched ``generate``
+pads them. Whether a later block drafts at all is the speculation
 switch's choice (``control.speculation_switch``), on the tokens per second measured while every row of the batch
 decodes (``measures``): where speculation does not pay, blocks decode one token per row in one full pass, as
 ``generate``'s batched greedy decoding. Whether the slim tier runs is the tier controller's choice, fed each block's
@@ -145,9 +147,9 @@ class BatchedDecoder:
         drafted, drafted_real = right_padded(draft.tokens, self.target.mask.device)
         tokens, real = torch.cat([input_ids, drafted], dim=-1), torch.cat([prompt_mask.bool(), drafted_real], dim=-1)
         started = self.clock.now()
-        logits = self.target.run(self.model, tokens, real, keep=draft.longest + 1)
+        logits, columns = self.target.read(self.model, tokens, real, keep=draft.longest + 1)
         seconds = self.clock.since(started)
-        self.drafter_read.observe_prefill(seconds, real.numel())  # a batched pass computes every column
+        self.drafter_read.observe_prefill(seconds, columns)
         fed = real.sum(-1).tolist()
         views = [row_view(logits[i], row, row_draft, self.processors, seconds, fed[i])
                  for i, (row, row_draft) in enumerate(zip(self.rows.active, draft.tokens))]
@@ -168,9 +170,9 @@ class BatchedDecoder:
         if input_ids.shape[1] <= 1:
             return  # nothing before the token that opens the first block
         started = self.clock.now()
-        self.target.run(self.model, input_ids[:, :-1], prompt_mask[:, :-1].bool(), keep=1)
+        _, columns = self.target.read(self.model, input_ids[:, :-1], prompt_mask[:, :-1].bool(), keep=1)
         seconds = self.clock.since(started)
-        self.drafter_read.observe_prefill(seconds, prompt_mask[:, :-1].numel())
+        self.drafter_read.observe_prefill(seconds, columns)
         self.stats.record_prefill(seconds)
         for row in self.rows.active:
             row.stats.record_prefill(seconds)

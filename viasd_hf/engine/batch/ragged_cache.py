@@ -36,7 +36,7 @@ a row's window, measured in its own tokens, spans more columns the more holes it
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -131,24 +131,52 @@ class RaggedCache:
         return logits
 
     def reads_apart(self, lengths: list[int]) -> bool:
-        """Whether feeding rows of ``lengths`` into this empty cache costs less row by row (``newest_apart``) than in
-        one pass: where the pass would compute more padding columns than the extra passes cost, each priced at
+        """Whether feeding rows of ``lengths`` into this empty cache costs less row by row (``read``, ``newest_apart``)
+        than in one pass: where the pass would compute more padding columns than the extra passes cost, each priced at
         ``PASS_OVERHEAD_TOKENS`` columns. Needs plain layers, which keep every column a row was read into."""
         if self.columns or self.contiguous or self.encoder is not None or not full_attention_only(self.cache):
             return False
-        padding = len(lengths) * max(lengths, default=0) - sum(lengths)
+        if min(lengths, default=0) < 1:
+            return False
+        padding = len(lengths) * max(lengths) - sum(lengths)
         return padding >= (len(lengths) - 1) * PASS_OVERHEAD_TOKENS
+
+    def read(self, model: nn.Module, tokens: torch.Tensor, real: torch.Tensor, keep: int) -> tuple[torch.Tensor, int]:
+        """A first pass into this empty cache (the target reading the prompts), as ``run`` gives it, and the columns
+        it computed: one row a pass where that costs less (``reads_apart``), the logits of each row's real columns among
+        the last ``keep`` where ``run`` puts them (zeros in its holes). A batch of prompts of very different lengths,
+        read in one pass, computes every row to the longest's length, as batched ``generate`` does."""
+        lengths = real.sum(-1).tolist()
+        if not self.reads_apart(lengths):
+            return self.run(model, tokens, real, keep), real.numel()
+        kept = real[:, -keep:]
+        counts = kept.sum(-1).tolist()
+
+        def last_columns(row: int, ids: torch.Tensor, part: Cache) -> torch.Tensor:
+            logits = model(ids, cache=part, use_cache=True, logits_to_keep=max(counts[row], 1)).logits[0]
+            return logits[logits.shape[0] - counts[row] :]
+
+        rows = self._read_apart([feed[fed].tolist() for feed, fed in zip(tokens, real)], last_columns)
+        logits = rows[0].new_zeros((len(rows), keep, rows[0].shape[-1]))
+        for row, (columns, row_logits) in enumerate(zip(kept, rows)):
+            logits[row, columns] = row_logits
+        return logits, sum(lengths)
 
     def newest_apart(self, models: list[nn.Module], feeds: list[list[int]],
                      head: SubsetHead | None = None) -> torch.Tensor:
         """What ``newest`` gives for ``feeds`` into this empty cache, each row read by a pass of its own (of
-        ``models[r]``) and the rows then laid out left-padded, as ``compact`` leaves them: a drafter's read of prompts
-        of very different lengths, which one pass would pad to the longest."""
-        logits, parts = [], []
-        for model, feed in zip(models, feeds):
+        ``models[r]``): a drafter's read of prompts of very different lengths, which one pass would pad to the
+        longest."""
+        return torch.cat(self._read_apart(feeds, lambda row, ids, part: _last_column(models[row], ids, part, head)))
+
+    def _read_apart(self, feeds: list[list[int]],
+                    read_row: Callable[[int, torch.Tensor, Cache], torch.Tensor]) -> list[torch.Tensor]:
+        """What ``read_row(r, tokens, cache)`` gives for each row ``r`` of ``feeds``, read into a cache of its own;
+        the rows are then laid out in this empty cache left-padded, as ``compact`` leaves them."""
+        outputs, parts = [], []
+        for row, feed in enumerate(feeds):
             part = DynamicCache()
-            tokens = torch.tensor([feed], dtype=torch.long, device=self.mask.device)
-            logits.append(_last_column(model, tokens, part, head))
+            outputs.append(read_row(row, torch.tensor([feed], dtype=torch.long, device=self.mask.device), part))
             parts.append(part)
         longest = max(len(feed) for feed in feeds)
         for index in range(len(parts[0].layers)):
@@ -156,7 +184,7 @@ class RaggedCache:
             values = [part.layers[index].values for part in parts]
             self.cache.update(_left_padded(keys, longest), _left_padded(values, longest), index)
         self.mask = _left_aligned(torch.tensor([len(feed) for feed in feeds], device=self.mask.device), longest)
-        return torch.cat(logits)
+        return outputs
 
     @contextmanager
     def provisional(self) -> Iterator[None]:
