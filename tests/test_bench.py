@@ -13,11 +13,12 @@ import torch
 from conftest import tiny_causal_lm
 from viasd_hf import RoutingMask
 from viasd_hf.bench.methods import METHODS, MethodName, MethodTable, Outcome
-from viasd_hf.bench.report import environment, source_revision
+from viasd_hf.bench.report import environment, source_revision, time_markdown
 from viasd_hf.bench.runner import MethodRuns, agreement, run_methods, summarise
 from viasd_hf.bench.traces import CallTracer, read_traces
 from viasd_hf.cli import main
 from viasd_hf.data.tasks import Example
+from viasd_hf.engine.stats import ViaSDStats
 
 REPO = Path(__file__).resolve().parents[1]
 CONTRACT = ("speedup_vs_greedy", "tokens_per_s", "mean_accepted", "rejection_rate", "full_calls_per_token")
@@ -79,6 +80,20 @@ def test_summary_arithmetic_is_exact():
     assert row["per_task"]["custom"]["quality"] == {"greedy_agreement": 1.0}
     assert row["weights_mib"] == pytest.approx(3.0)
     assert summary["greedy"]["rejection_rate"] is None
+
+
+def test_the_summary_says_how_many_of_our_blocks_decoded_plainly():
+    def ours(blocks: int, plain: int) -> Outcome:
+        stats = ViaSDStats(blocks=blocks, plain_blocks=plain, seconds={"drafter": 1.0, "slim": 0.0, "full": 3.0, "total": 4.0})
+        return Outcome([1, 2], 4.0, blocks, 2, 1, {"drafter": 1, "slim": 0, "full": 1}, viasd=stats.to_dict())
+
+    examples = [Example("qa", "q1"), Example("qa", "q2")]
+    greedy = MethodRuns([outcome([1, 2], 2.0, 2), outcome([1, 2], 2.0, 2)], [[2.0], [2.0]])
+    viasd = MethodRuns([ours(4, 1), ours(6, 0)], [[1.0], [1.0]])
+    summary = summarise({"greedy": greedy, "viasd_lossless": viasd}, examples, str, {"greedy": 1, "viasd_lossless": 1})
+    assert summary["viasd_lossless"]["plain_fraction"] == pytest.approx(1 / 10)  # blocks pooled over the prompts
+    assert "plain_fraction" not in summary["greedy"]
+    assert time_markdown(summary).splitlines()[-1].endswith("| 0.10 |")
 
 
 def test_agreement_counts_positions_of_the_greedy_output():

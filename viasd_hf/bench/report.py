@@ -87,7 +87,7 @@ def verdict_lines(summary: dict[str, dict[str, Any]]) -> list[str]:
 def time_markdown(summary: dict[str, dict[str, Any]]) -> str:
     """Where each of our decoders spends its time, with the work per token that explains it."""
     lines = ["| method | drafter | slim passes | full passes | loop overhead | full calls / token | slim passes / token "
-             "| escalation rate | slim tier on | shadow probes |", "|" + "---|" * 10]
+             "| escalation rate | slim tier on | shadow probes | blocks plain |", "|" + "---|" * 11]
     for name, row in summary.items():
         shares = row.get("time_shares")
         if not shares:
@@ -95,7 +95,8 @@ def time_markdown(summary: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {name} | " + " | ".join(f"{shares[part]:.0%}" for part in ("drafter", "slim", "full", "overhead"))
             + f" | {_cell(row['full_calls_per_token'])} | {_cell(row['slim_forwards_per_token'])} "
-            f"| {_cell(row['escalation_rate'])} | {_cell(row['slim_on_fraction'])} | {_cell(row.get('slim_shadow_fraction'))} |"
+            f"| {_cell(row['escalation_rate'])} | {_cell(row['slim_on_fraction'])} | {_cell(row.get('slim_shadow_fraction'))} "
+            f"| {_cell(row.get('plain_fraction'))} |"
         )
     return "\n".join(lines)
 

@@ -221,6 +221,7 @@ def _work(outcomes: list[Outcome]) -> dict[str, Any]:
             "slim_on_fraction": total("slim_on_blocks") / blocks if blocks else None,
             "slim_shadow_fraction": sum(stats.get("slim_shadow_blocks", 0) for stats in viasd) / blocks if blocks else None,
             "slim_forwards_per_token": total("slim_forwards") / tokens if tokens else None,
+            "plain_fraction": total("plain_blocks") / total("blocks") if total("blocks") else None,
             "time_shares": _time_shares(viasd),
         }
     return row
