@@ -84,7 +84,8 @@ def test_summary_arithmetic_is_exact():
 
 def test_the_summary_says_how_many_of_our_blocks_decoded_plainly():
     def ours(blocks: int, plain: int) -> Outcome:
-        stats = ViaSDStats(blocks=blocks, plain_blocks=plain, seconds={"drafter": 1.0, "slim": 0.0, "full": 3.0, "total": 4.0})
+        seconds = {"drafter": 1.0, "slim": 0.0, "full": 3.0, "total": 4.0}
+        stats = ViaSDStats(blocks=blocks, plain_blocks=plain, seconds=seconds)
         return Outcome([1, 2], 4.0, blocks, 2, 1, {"drafter": 1, "slim": 0, "full": 1}, viasd=stats.to_dict())
 
     examples = [Example("qa", "q1"), Example("qa", "q2")]
