@@ -5,16 +5,16 @@ Decodes each prompt (``viasd bench --dataset D --limit N``'s; by default the fir
 ``ViaSDConfig()`` and the bf16 pair, as a user would, three times (the first measures its passes' shapes), then twice
 plainly; the faster of the last two calls and of greedy's two are compared. From that call's ``viasd_stats`` it prints
 tokens per block, drafts per speculative block, the target's and the drafter's seconds per decoding pass (the passes
-over the prompt left out), and their ratio c; α, how often the bf16
-drafter's first choice is the output's next token (teacher-forced on it; and how often one of its first three is), and
-the ceiling of chain drafting, max over k of (1 + α + … + α^k) / (1 + k·c) (second choices verified beside the draft
-can pass it).
+over the prompt left out), and their ratio c; α, how often the bf16 drafter's first choice is the output's next token
+(teacher-forced on it; and how often one of its first three is), and the ceiling of chain drafting, max over k of
+(1 + α + … + α^k) / (1 + k·c) (second choices verified beside the draft can pass it).
 
 A call pays two passes once, whatever it drafts: the target's over the prompt, and the drafter's read of it (through its
-drafting copy's twin, as the decoder reads); both are timed apart. What is left of each call is its decoding: greedy's
-seconds less the prompt pass, over VIA-SD's less both, is how much faster VIA-SD decoded, and greedy's less the prompt
-pass over a 1.6x call's budget (greedy's seconds / 1.6) less both is how fast decoding must run for the call to reach
-1.6x greedy ("never" where the two passes alone exceed that budget).
+drafting copy, or its twin from as many tokens as the decoder reads through it: ``reading_model``); both are timed
+apart. What is left of each call is its decoding: greedy's seconds less the prompt pass, over VIA-SD's less both, is how
+much faster VIA-SD decoded, and greedy's less the prompt pass over a 1.6x call's budget (greedy's seconds / 1.6) less
+both is how fast decoding must run for the call to reach 1.6x greedy ("never" where the two passes alone exceed that
+budget).
 
     HF_HUB_OFFLINE=1 python bench/studies/short_answers/study.py [DATASET [LIMIT]]
 """
@@ -29,7 +29,8 @@ import torch
 from viasd_hf import ViaSDConfig, enable_viasd
 from viasd_hf.bench.runner import encode
 from viasd_hf.data.tasks import load_examples
-from viasd_hf.drafters.precision import drafting_copy, fastest_form, prompt_reader
+from viasd_hf.drafters.precision import drafting_copy, drafting_reader, fastest_form
+from viasd_hf.engine.batch.model_drafts import reading_model
 from viasd_hf.models.loading import load_pretrained
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
@@ -55,8 +56,7 @@ def main() -> None:
     target, tokenizer = load_pretrained(TARGET, dtype=torch.bfloat16)
     drafter, _ = load_pretrained(DRAFTER, dtype=torch.bfloat16)
     fastest_form(drafter, now=True)  # the drafting copy made before the calls, as a bench makes it
-    copy = drafting_copy(drafter)
-    reader = (prompt_reader(copy) if copy is not None else None) or copy or drafter
+    drafting = drafting_copy(drafter) or drafter
     enable_viasd(target)
     for example in load_examples(dataset, limit):
         ids = encode(tokenizer, example.prompt)
@@ -68,6 +68,7 @@ def main() -> None:
                      for _ in range(2))
         with torch.no_grad():
             prompt_pass, _ = seconds(lambda: target(ids, logits_to_keep=1))
+            reader = reading_model(drafting, drafting_reader(drafting), ids.shape[1])
             read, _ = seconds(lambda: reader(ids, logits_to_keep=1))
         stats = out.viasd_stats
         speculative = max(stats.blocks - stats.plain_blocks, 1)
